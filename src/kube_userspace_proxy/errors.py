@@ -1,0 +1,27 @@
+"""Typed, operator-facing errors. Each message names the thing at fault and what to do."""
+
+from __future__ import annotations
+
+
+class ProxyError(Exception):
+    """Base class of every error the proxy reports to an operator."""
+
+
+class ConfigError(ProxyError):
+    """A flag, a config file field or an environment value is invalid (exit code 2)."""
+
+
+class PortExhaustedError(ProxyError):
+    """No free port is left in `--proxy-port-range` for a service port."""
+
+
+class PortInUseError(ProxyError):
+    """A fixed port (a NodePort, a health or metrics address) is taken by someone else."""
+
+
+class ManifestError(ProxyError):
+    """A manifest file could not be read or parsed; names the file and the line."""
+
+
+class PortalsError(ProxyError):
+    """iptables rules could not be read or applied."""

@@ -1,0 +1,138 @@
+"""Immutable values that cross module boundaries: service ports, endpoints, snapshots.
+
+Everything here is frozen. Mutable state (cursors, affinity tables, sockets) stays private to
+the module that owns it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+DEFAULT_AFFINITY_TIMEOUT_SECONDS = 10800
+"""kube-apiserver's default for `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours)."""
+
+
+class Protocol(enum.StrEnum):
+    """Service port protocols the proxy serves (SCTP is recognised by the state builder and skipped)."""
+
+    TCP = "TCP"
+    UDP = "UDP"
+
+
+class Path(enum.StrEnum):
+    """Which traffic a proxy port serves; traffic policies are per path.
+
+    `CLUSTER` is ClusterIP traffic (`internalTrafficPolicy`); `EXTERNAL` is NodePort, externalIP
+    and LoadBalancer-ingress traffic (`externalTrafficPolicy`).
+    """
+
+    CLUSTER = "cluster"
+    EXTERNAL = "external"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ServicePortName:
+    """Identity of one port of one Service; prints as `ns/name:port` (`ns/name` when unnamed)."""
+
+    namespace: str
+    name: str
+    port: str = ""
+    protocol: Protocol = Protocol.TCP
+
+    def __str__(self) -> str:
+        base = f"{self.namespace}/{self.name}"
+        return f"{base}:{self.port}" if self.port else base
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePortInfo:
+    """What the Service says about one of its ports (no endpoints: those come from slices)."""
+
+    name: ServicePortName
+    port: int
+    cluster_ips: tuple[str, ...]
+    node_port: int = 0
+    external_ips: tuple[str, ...] = ()
+    load_balancer_ips: tuple[str, ...] = ()
+    client_ip_affinity: bool = False
+    affinity_timeout_seconds: int = DEFAULT_AFFINITY_TIMEOUT_SECONDS
+    internal_traffic_local: bool = False
+    external_traffic_local: bool = False
+
+    @property
+    def protocol(self) -> Protocol:
+        return self.name.protocol
+
+    @property
+    def has_external_paths(self) -> bool:
+        """True when NodePort, externalIP or LoadBalancer traffic reaches this port."""
+        return bool(self.node_port or self.external_ips or self.load_balancer_ips)
+
+    @property
+    def paths_differ(self) -> bool:
+        """True when cluster and external traffic must use different endpoint sets."""
+        return self.has_external_paths and (
+            self.internal_traffic_local != self.external_traffic_local
+        )
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Endpoint:
+    """One backend address of a service port, with its EndpointSlice conditions."""
+
+    ip: str
+    port: int
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    node_name: str | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.ip, self.port)
+
+    def __str__(self) -> str:
+        return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
+
+
+_EMPTY: Mapping[ServicePortName, object] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The complete desired state at one moment: every service port and all its endpoints.
+
+    `endpoints` holds every known endpoint (all conditions, all nodes); choosing the usable
+    ones for a path is the balancer's job. `trigger_times` are the
+    `endpoints.kubernetes.io/last-change-trigger-time` values (epoch seconds) of the
+    EndpointSlice changes folded into this snapshot since the previous one.
+    """
+
+    services: Mapping[ServicePortName, ServicePortInfo] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    endpoints: Mapping[ServicePortName, tuple[Endpoint, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    node_name: str | None = None
+    node_ips: tuple[str, ...] = ()
+    trigger_times: tuple[float, ...] = ()
+
+    def endpoints_of(self, name: ServicePortName) -> tuple[Endpoint, ...]:
+        return self.endpoints.get(name, ())
+
+
+@dataclass(frozen=True, slots=True)
+class ProxiedPort:
+    """A service port as the proxier serves it: which local proxy port takes which traffic.
+
+    `external_port` equals `cluster_port` unless the two paths need different endpoint sets.
+    Both are 0 when no port could be allocated (the error was logged; no rules are wanted).
+    """
+
+    info: ServicePortInfo
+    cluster_port: int
+    external_port: int
