@@ -16,7 +16,7 @@ DEFAULT_AFFINITY_TIMEOUT_SECONDS = 10800
 
 
 class Protocol(enum.StrEnum):
-    """Service port protocols the proxy serves (SCTP is recognised by the state builder and skipped)."""
+    """Service port protocols the proxy serves (SCTP is skipped by the state builder)."""
 
     TCP = "TCP"
     UDP = "UDP"
