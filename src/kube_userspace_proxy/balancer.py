@@ -1,0 +1,231 @@
+"""Endpoint choice per service port: usable endpoints, round robin, ClientIP affinity, penalties."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from kube_userspace_proxy import logs
+from kube_userspace_proxy.model import Endpoint, ServicePortName
+
+log = logs.get(__name__)
+
+Address = tuple[str, int]
+
+DEFAULT_MAX_AFFINITY_ENTRIES = 65536
+"""Clients remembered per pool; past it expired pins are swept, then the oldest dropped."""
+
+
+def usable_endpoints(
+    endpoints: Sequence[Endpoint], *, local_only: bool, node_name: str | None
+) -> tuple[Endpoint, ...]:
+    """The endpoints traffic may go to: ready ones, else serving-and-terminating ones.
+
+    With `local_only` (traffic policy Local) only endpoints on `node_name` count, before the
+    fallback is applied, as in kube-proxy; an unknown node name has no local endpoints.
+    """
+    if local_only:
+        endpoints = [e for e in endpoints if node_name is not None and e.node_name == node_name]
+    ready = tuple(e for e in endpoints if e.ready)
+    if ready:
+        return ready
+    return tuple(e for e in endpoints if e.serving and e.terminating)
+
+
+class _Pin:
+    """One client's sticky endpoint; mutated in place so a hit allocates nothing."""
+
+    __slots__ = ("address", "last_used")
+
+    def __init__(self, address: Address, last_used: float) -> None:
+        self.address = address
+        self.last_used = last_used
+
+
+class EndpointPool:
+    """Chooses an endpoint for each new connection of one service port (one traffic path).
+
+    Round robin over the usable endpoints; with ClientIP affinity a client keeps its endpoint
+    while it used it within the Service's *current* timeout (idle timeout, as kube-proxy). An
+    endpoint whose dial just failed is skipped for `penalty_seconds` unless all are penalised.
+    """
+
+    def __init__(
+        self,
+        name: ServicePortName,
+        *,
+        affinity_timeout: float | None = None,
+        penalty_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        max_affinity_entries: int = DEFAULT_MAX_AFFINITY_ENTRIES,
+    ) -> None:
+        self.name = name
+        self.penalty_seconds = penalty_seconds
+        self.max_affinity_entries = max(1, max_affinity_entries)
+        self._clock = clock
+        self._addresses: tuple[Address, ...] = ()
+        self._cursor = 0
+        self._timeout: float | None = _normal_timeout(affinity_timeout)
+        self._pins: dict[str, _Pin] = {}
+        self._penalties: dict[Address, float] = {}  # address -> monotonic time it ends
+        self._sweep_at = min(1024, self.max_affinity_entries)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def __bool__(self) -> bool:
+        return bool(self._addresses)
+
+    def __len__(self) -> int:
+        return len(self._addresses)
+
+    @property
+    def has_endpoints(self) -> bool:
+        return bool(self._addresses)
+
+    @property
+    def addresses(self) -> tuple[Address, ...]:
+        """The usable endpoint addresses, in round-robin order."""
+        return self._addresses
+
+    @property
+    def affinity_timeout(self) -> float | None:
+        """The ClientIP affinity timeout in seconds now in force; None without affinity."""
+        return self._timeout
+
+    def affinity_entries(self) -> list[tuple[str, Address, float]]:
+        """Live pins: (client ip, endpoint address, seconds left before it expires)."""
+        timeout = self._timeout
+        if timeout is None:
+            return []
+        now = self._clock()
+        return [
+            (client, pin.address, timeout - (now - pin.last_used))
+            for client, pin in self._pins.items()
+            if now - pin.last_used < timeout
+        ]
+
+    # -- changing ------------------------------------------------------------------------------
+
+    def update(self, endpoints: Sequence[Endpoint], *, affinity_timeout: float | None) -> None:
+        """Take a new endpoint list and the Service's current affinity timeout.
+
+        The cursor stays on the endpoint it pointed at (or the next one that survives), pins to
+        surviving endpoints are kept and the new timeout applies to them at once.
+        """
+        addresses = tuple(dict.fromkeys(e.address for e in endpoints))
+        self._timeout = _normal_timeout(affinity_timeout)
+        if self._timeout is None:
+            self._pins.clear()
+        if addresses == self._addresses:
+            return
+        old = self._addresses
+        self._addresses = addresses
+        self._cursor = _carry_cursor(old, self._cursor, addresses)
+        alive = set(addresses)
+        if self._pins:
+            self._pins = {c: p for c, p in self._pins.items() if p.address in alive}
+        if self._penalties:
+            self._penalties = {a: t for a, t in self._penalties.items() if a in alive}
+
+    def dial_failed(self, address: Address) -> None:
+        """Skip `address` for `penalty_seconds` (its dial just failed)."""
+        if address in self._addresses and self.penalty_seconds > 0:
+            self._penalties[address] = self._clock() + self.penalty_seconds
+
+    def pick(self, client_ip: str, *, retry: bool = False) -> Address | None:
+        """The endpoint for a new connection from `client_ip`; None when there is none.
+
+        `retry=True` says the previous dial failed: the client's pin is not honoured and the
+        client is re-pinned to the endpoint chosen now.
+        """
+        addresses = self._addresses
+        count = len(addresses)
+        if not count:
+            return None
+        timeout = self._timeout
+        if timeout is None and not self._penalties:
+            # Fast path: plain round robin, no clock read.
+            cursor = self._cursor
+            self._cursor = cursor + 1 if cursor + 1 < count else 0
+            return addresses[cursor]
+        now = self._clock()
+        if timeout is not None and not retry:
+            pin = self._pins.get(client_ip)
+            if (
+                pin is not None
+                and now - pin.last_used < timeout
+                and not self._penalised(pin.address, now)
+            ):
+                pin.last_used = now
+                return pin.address
+        address = self._next(addresses, count, now)
+        if timeout is not None:
+            self._pin(client_ip, address, now, timeout)
+        return address
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _next(self, addresses: tuple[Address, ...], count: int, now: float) -> Address:
+        cursor = self._cursor
+        first = cursor
+        for _ in range(count):
+            address = addresses[cursor]
+            cursor = cursor + 1 if cursor + 1 < count else 0
+            if not self._penalties or not self._penalised(address, now):
+                self._cursor = cursor
+                return address
+        # Every endpoint is penalised: still try one, in round-robin order.
+        self._cursor = first + 1 if first + 1 < count else 0
+        return addresses[first]
+
+    def _penalised(self, address: Address, now: float) -> bool:
+        until = self._penalties.get(address)
+        if until is None:
+            return False
+        if until > now:
+            return True
+        del self._penalties[address]
+        return False
+
+    def _pin(self, client_ip: str, address: Address, now: float, timeout: float) -> None:
+        pin = self._pins.get(client_ip)
+        if pin is not None:
+            pin.address = address
+            pin.last_used = now
+            return
+        if len(self._pins) >= self._sweep_at:
+            self._sweep(now, timeout)
+        self._pins[client_ip] = _Pin(address, now)
+
+    def _sweep(self, now: float, timeout: float) -> None:
+        pins = self._pins
+        live = {c: p for c, p in pins.items() if now - p.last_used < timeout}
+        # Still full: drop the oldest-created pins (dict order) down to 7/8 of the bound, so the
+        # next sweep is max/8 inserts away rather than one.
+        limit = self.max_affinity_entries
+        excess = len(live) - (limit - max(1, limit // 8))
+        if excess > 0:
+            for client in list(live)[:excess]:
+                del live[client]
+            log.debug("%s: affinity table full, dropped %d oldest pins", self.name, excess)
+        self._pins = live
+        # Sweep again once the table has doubled, so sweeping stays amortised O(1) per pick.
+        self._sweep_at = min(max(1024, 2 * len(live)), self.max_affinity_entries)
+
+
+def _normal_timeout(timeout: float | None) -> float | None:
+    return timeout if timeout is not None and timeout > 0 else None
+
+
+def _carry_cursor(old: tuple[Address, ...], cursor: int, new: tuple[Address, ...]) -> int:
+    """The new cursor: on the old next endpoint, or the first survivor after it."""
+    if not new:
+        return 0
+    if old:
+        index = {a: i for i, a in enumerate(new)}
+        count = len(old)
+        for step in range(count):
+            found = index.get(old[(cursor + step) % count])
+            if found is not None:
+                return found
+    return cursor % len(new)

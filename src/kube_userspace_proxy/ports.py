@@ -1,0 +1,143 @@
+"""Proxy port allocation: kernel-chosen, or from `--proxy-port-range` (kube-proxy syntax)."""
+
+from __future__ import annotations
+
+import errno
+import random
+import socket
+
+from kube_userspace_proxy import logs
+from kube_userspace_proxy.errors import PortExhaustedError
+from kube_userspace_proxy.model import Protocol
+
+log = logs.get(__name__)
+
+_MAX_PORT = 65535
+
+# A bind that fails with one of these means "someone else has it": try the next port.
+_TAKEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EACCES})
+
+
+def _port(text: str, whole: str) -> int:
+    text = text.strip()
+    if not text.isdigit():
+        raise ValueError(f"invalid port range {whole!r}: {text!r} is not a port number")
+    value = int(text)
+    if value > _MAX_PORT:
+        raise ValueError(f"invalid port range {whole!r}: {value} is above {_MAX_PORT}")
+    return value
+
+
+def parse_port_range(text: str) -> tuple[int, int] | None:
+    """Parse kube-proxy's `--proxy-port-range`: `begin-end`, `begin+offset` or `port`.
+
+    Returns the inclusive (first, last) pair, or None for an empty value or `0-0`, which mean
+    "let the kernel choose". Raises ValueError naming the value when it is malformed.
+    """
+    value = text.strip()
+    if not value:
+        return None
+    if "-" in value:
+        low_text, _, high_text = value.partition("-")
+        low, high = _port(low_text, text), _port(high_text, text)
+    elif "+" in value:
+        low_text, _, offset_text = value.partition("+")
+        low = _port(low_text, text)
+        high = low + _port(offset_text, text)
+        if high > _MAX_PORT:
+            raise ValueError(f"invalid port range {text!r}: ends at {high}, above {_MAX_PORT}")
+    else:
+        low = high = _port(value, text)
+    if low == high == 0:
+        return None
+    if high < low:
+        raise ValueError(f"invalid port range {text!r}: end {high} is below begin {low}")
+    if low == 0:
+        raise ValueError(f"invalid port range {text!r}: port 0 cannot be part of a range")
+    return (low, high)
+
+
+def format_port_range(port_range: tuple[int, int] | None) -> str:
+    """`first-last` as the flag takes it; `0-0` for kernel-chosen."""
+    return "0-0" if port_range is None else f"{port_range[0]}-{port_range[1]}"
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+class PortAllocator:
+    """Hands out bound sockets on free proxy ports; TCP and UDP are tracked separately.
+
+    Within a range it starts at a random port and wraps, skipping ports it already handed out
+    and ports whose bind fails because another socket holds them.
+    """
+
+    def __init__(self, port_range: tuple[int, int] | None, *, host: str = "0.0.0.0") -> None:
+        if port_range is not None:
+            low, high = port_range
+            if not 0 < low <= high <= _MAX_PORT:
+                raise ValueError(f"invalid port range {low}-{high}")
+        self.port_range = port_range
+        self.host = host
+        self._family = _family(host)
+        self._taken: dict[Protocol, set[int]] = {Protocol.TCP: set(), Protocol.UDP: set()}
+
+    def reserve(self, protocol: Protocol, *, name: str = "") -> socket.socket:
+        """A bound, non-blocking, not yet listening socket on a free port; the caller owns it.
+
+        Raises PortExhaustedError (naming the range and `name`, the service port) when every
+        port of the range is taken.
+        """
+        taken = self._taken[protocol]
+        if self.port_range is None:
+            sock = self._bind(protocol, 0)
+            if sock is None:  # pragma: no cover - the kernel ran out of ephemeral ports
+                raise PortExhaustedError(
+                    f"no free {protocol} port on {self.host} chosen by the kernel"
+                    + (f" for {name}" if name else "")
+                )
+            taken.add(sock.getsockname()[1])
+            return sock
+        low, high = self.port_range
+        size = high - low + 1
+        start = random.randrange(size)
+        for i in range(size):
+            port = low + (start + i) % size
+            if port in taken:
+                continue
+            sock = self._bind(protocol, port)
+            if sock is not None:
+                taken.add(port)
+                return sock
+        raise PortExhaustedError(
+            f"no free {protocol} port left in --proxy-port-range={low}-{high} on {self.host}"
+            + (f" for {name}" if name else "")
+            + f" ({len(taken)} held by this proxy, the rest by other sockets);"
+            " widen the range or free ports"
+        )
+
+    def release(self, protocol: Protocol, port: int) -> None:
+        """Forget a port handed out by `reserve` (the caller closes the socket)."""
+        self._taken[protocol].discard(port)
+
+    def reserved(self, protocol: Protocol) -> frozenset[int]:
+        """The ports of `protocol` currently handed out."""
+        return frozenset(self._taken[protocol])
+
+    def _bind(self, protocol: Protocol, port: int) -> socket.socket | None:
+        kind = socket.SOCK_STREAM if protocol is Protocol.TCP else socket.SOCK_DGRAM
+        sock = socket.socket(self._family, kind)
+        try:
+            if protocol is Protocol.TCP:
+                # A restart must be able to rebind a port whose old connections sit in TIME_WAIT.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, port))
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            if exc.errno in _TAKEN_ERRNOS:
+                log.debug("port %s/%d is taken: %s", protocol, port, exc.strerror)
+                return None
+            raise
+        return sock
