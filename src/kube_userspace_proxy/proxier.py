@@ -1,0 +1,332 @@
+"""Proxier: reconcile a full Snapshot against the open proxy ports, the balancer and the rules.
+
+The only module that knows the listeners, the endpoint pools, the port allocator and the
+portals at once; none of those know each other. Every sync receives the complete desired state
+(as kpng's full-state sinks do) and changes only what differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from typing import Protocol as TypingProtocol
+
+from kube_userspace_proxy import logs
+from kube_userspace_proxy.balancer import EndpointPool, usable_endpoints
+from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener
+from kube_userspace_proxy.errors import PortExhaustedError, PortInUseError
+from kube_userspace_proxy.model import (
+    Path,
+    Protocol,
+    ProxiedPort,
+    ServicePortInfo,
+    ServicePortName,
+    Snapshot,
+)
+from kube_userspace_proxy.ports import PortAllocator
+
+log = logs.get(__name__)
+
+Listener = TcpListener | UdpListener
+
+
+class RuleSink(TypingProtocol):
+    """What the proxier needs of the portals: take the full desired set, apply the difference."""
+
+    def apply(self, ports: Sequence[ProxiedPort]) -> None: ...
+
+
+@dataclass(slots=True)
+class _Served:
+    """One service port as it is served now. Mutable; private to the proxier."""
+
+    info: ServicePortInfo
+    stats: ConnStats
+    pools: dict[Path, EndpointPool]
+    listeners: dict[Path, Listener] = field(default_factory=dict)
+    node_port_listeners: list[tuple[str, Listener]] = field(default_factory=list)
+    node_port: int = 0
+    all_endpoints: int = 0
+
+    def port_of(self, path: Path) -> int:
+        listener = self.listeners.get(path) or self.listeners.get(Path.CLUSTER)
+        return listener.port if listener is not None else 0
+
+    def every_listener(self) -> Iterable[Listener]:
+        yield from self.listeners.values()
+        for _, listener in self.node_port_listeners:
+            yield listener
+
+
+class Proxier:
+    """Owns the proxy ports: opens, updates and closes listeners to match each Snapshot."""
+
+    def __init__(
+        self,
+        allocator: PortAllocator,
+        *,
+        portals: RuleSink | None = None,
+        udp_idle_timeout: float = 0.25,
+        node_port_addresses: Callable[[], Sequence[str]] | None = None,
+    ) -> None:
+        self._allocator = allocator
+        self._portals = portals
+        self._udp_idle_timeout = udp_idle_timeout
+        self._node_port_addresses = node_port_addresses or (lambda: (allocator.host,))
+        self._served: dict[ServicePortName, _Served] = {}
+        self._errors: dict[ServicePortName, str] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self.node_name: str | None = None
+
+    # ---- reconcile -----------------------------------------------------------------------
+
+    async def sync(self, snapshot: Snapshot) -> None:
+        """Make listeners, pools and rules match `snapshot`; per-port failures are contained."""
+        self.node_name = snapshot.node_name
+        for name in [n for n in self._served if n not in snapshot.services]:
+            self._remove(name)
+        for name in [n for n in self._errors if n not in snapshot.services]:
+            del self._errors[name]
+        for name, info in snapshot.services.items():
+            try:
+                await self._reconcile_port(name, info, snapshot)
+            except (PortExhaustedError, PortInUseError, OSError) as exc:
+                self._report(name, str(exc))
+        if self._portals is not None:
+            await asyncio.to_thread(self._portals.apply, self.proxied_ports())
+
+    async def _reconcile_port(
+        self, name: ServicePortName, info: ServicePortInfo, snapshot: Snapshot
+    ) -> None:
+        served = self._served.get(name)
+        new = served is None
+        if served is None:
+            served = _Served(info=info, stats=ConnStats(), pools={})
+            self._served[name] = served
+            try:
+                await self._open(served, Path.CLUSTER)
+            except BaseException:
+                del self._served[name]
+                raise
+        served.info = info
+        # A separate external listener exists exactly while the two paths need different
+        # endpoint sets (one of the traffic policies is Local, the other not).
+        if info.paths_differ and Path.EXTERNAL not in served.listeners:
+            await self._open(served, Path.EXTERNAL)
+        elif not info.paths_differ and Path.EXTERNAL in served.listeners:
+            self._close_later(served.listeners.pop(Path.EXTERNAL))
+            served.pools.pop(Path.EXTERNAL, None)
+        self._update_endpoints(served, snapshot)
+        if served.node_port != info.node_port:
+            self._close_node_ports(served)
+            if info.node_port:
+                await self._open_node_ports(served)
+        if self._errors.pop(name, None) is not None:
+            log.info("%s: recovered", name)
+        if new:
+            log.info(
+                "%s -> %s:%d (%d endpoints)",
+                name,
+                self._allocator.host,
+                served.port_of(Path.CLUSTER),
+                len(served.pools[Path.CLUSTER]),
+            )
+
+    async def _open(self, served: _Served, path: Path) -> None:
+        info = served.info
+        name = info.name
+        pool = EndpointPool(name)
+        sock = self._allocator.reserve(info.protocol, name=str(name))
+        try:
+            listener = self._make_listener(sock, pool, served.stats, str(name))
+            await listener.start()
+        except BaseException:
+            self._allocator.release(info.protocol, sock.getsockname()[1])
+            sock.close()
+            raise
+        served.pools[path] = pool
+        served.listeners[path] = listener
+
+    def _make_listener(
+        self, sock: socket.socket, pool: EndpointPool, stats: ConnStats, name: str
+    ) -> Listener:
+        if sock.type == socket.SOCK_STREAM:
+            return TcpListener(sock, pool, stats, name=name)
+        return UdpListener(sock, pool, stats, name=name, idle_timeout=self._udp_idle_timeout)
+
+    def _update_endpoints(self, served: _Served, snapshot: Snapshot) -> None:
+        info = served.info
+        endpoints = snapshot.endpoints_of(info.name)
+        served.all_endpoints = len(endpoints)
+        timeout = float(info.affinity_timeout_seconds) if info.client_ip_affinity else None
+        for path, pool in served.pools.items():
+            local = (
+                info.external_traffic_local
+                if path is Path.EXTERNAL
+                else info.internal_traffic_local
+            )
+            usable = usable_endpoints(endpoints, local_only=local, node_name=snapshot.node_name)
+            pool.update(usable, affinity_timeout=timeout)
+        for listener in served.every_listener():
+            listener.refresh()
+
+    # ---- NodePorts: a real socket per NodePort so nothing else can take it ------------------
+
+    async def _open_node_ports(self, served: _Served) -> None:
+        info = served.info
+        pool = served.pools.get(Path.EXTERNAL) or served.pools[Path.CLUSTER]
+        kind = socket.SOCK_STREAM if info.protocol is Protocol.TCP else socket.SOCK_DGRAM
+        failures = []
+        for address in self._node_port_addresses():
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            sock = socket.socket(family, kind)
+            try:
+                if kind == socket.SOCK_STREAM:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((address, info.node_port))
+                sock.setblocking(False)
+            except OSError as exc:
+                sock.close()
+                failures.append(f"{address}:{info.node_port}: {exc.strerror}")
+                continue
+            listener = self._make_listener(sock, pool, served.stats, str(info.name))
+            served.node_port_listeners.append((address, listener))
+            await listener.start()
+        served.node_port = info.node_port
+        if failures:
+            raise PortInUseError(
+                f"can't hold NodePort {info.protocol}/{info.node_port} ({'; '.join(failures)});"
+                " traffic captured by the NodePort rules is still served"
+            )
+
+    def _close_node_ports(self, served: _Served) -> None:
+        for _, listener in served.node_port_listeners:
+            self._close_later(listener)
+        served.node_port_listeners.clear()
+        served.node_port = 0
+
+    # ---- removal and shutdown --------------------------------------------------------------
+
+    def _remove(self, name: ServicePortName) -> None:
+        served = self._served.pop(name)
+        for listener in served.listeners.values():
+            self._allocator.release(served.info.protocol, listener.port)
+            self._close_later(listener)
+        self._close_node_ports(served)
+        log.info("%s: removed (proxy port closed; open connections finish)", name)
+
+    def _close_later(self, listener: Listener) -> None:
+        # Stop accepting now; the connections already open finish on their own.
+        task = asyncio.get_running_loop().create_task(listener.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _report(self, name: ServicePortName, message: str) -> None:
+        if self._errors.get(name) != message:
+            log.error("%s: %s", name, message)
+        self._errors[name] = message
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop accepting everywhere, then give open connections `grace` seconds to finish."""
+        listeners = [lst for served in self._served.values() for lst in served.every_listener()]
+        await asyncio.gather(*(lst.close() for lst in listeners), return_exceptions=True)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+        await asyncio.gather(*(lst.drain(grace) for lst in listeners), return_exceptions=True)
+        self._served.clear()
+
+    # ---- views for rules, metrics and /debug/state ------------------------------------------
+
+    def proxied_ports(self) -> list[ProxiedPort]:
+        """The desired rule targets: each service port with the proxy port of each path."""
+        return [
+            ProxiedPort(
+                info=served.info,
+                cluster_port=served.port_of(Path.CLUSTER),
+                external_port=served.port_of(Path.EXTERNAL),
+            )
+            for served in self._served.values()
+        ]
+
+    def port_stats(self) -> list[tuple[ServicePortName, ConnStats]]:
+        """(service port, its counters) for every served port; read by metrics at scrape time."""
+        return [(name, served.stats) for name, served in self._served.items()]
+
+    def open_ports(self) -> int:
+        """How many proxy ports (incl. NodePort sockets) are open."""
+        return sum(
+            len(served.listeners) + len(served.node_port_listeners)
+            for served in self._served.values()
+        )
+
+    def port_of(self, name: ServicePortName, path: Path = Path.CLUSTER) -> int:
+        """The proxy port serving `name` on `path` (0 when it is not served)."""
+        served = self._served.get(name)
+        return served.port_of(path) if served is not None else 0
+
+    def errors(self) -> dict[ServicePortName, str]:
+        """Service ports that could not be served, with the reason."""
+        return dict(self._errors)
+
+    def debug_state(self) -> dict[str, Any]:
+        """JSON-able view: service port -> proxy ports -> endpoints, affinity, counters."""
+        out: dict[str, Any] = {}
+        for name, served in sorted(self._served.items()):
+            info = served.info
+            stats = served.stats
+            out[str(name)] = {
+                "protocol": str(info.protocol),
+                "clusterIPs": list(info.cluster_ips),
+                "port": info.port,
+                "nodePort": info.node_port or None,
+                "externalIPs": list(info.external_ips),
+                "loadBalancerIPs": list(info.load_balancer_ips),
+                "sessionAffinity": "ClientIP" if info.client_ip_affinity else "None",
+                "proxyPorts": {
+                    str(path): listener.port for path, listener in served.listeners.items()
+                },
+                "nodePortListeners": [
+                    f"{address}:{listener.port}" for address, listener in served.node_port_listeners
+                ],
+                "endpoints": {
+                    str(path): [f"{ip}:{port}" for ip, port in pool.addresses]
+                    for path, pool in served.pools.items()
+                },
+                "knownEndpoints": served.all_endpoints,
+                "affinity": [
+                    {
+                        "clientIP": client,
+                        "endpoint": f"{ep[0]}:{ep[1]}",
+                        "expiresIn": round(left, 1),
+                    }
+                    for client, ep, left in served.pools[Path.CLUSTER].affinity_entries()
+                ],
+                "connections": {
+                    "active": stats.active,
+                    "accepted": stats.accepted,
+                    "completed": stats.completed,
+                    "refusedNoEndpoints": stats.refused_no_endpoints,
+                    "dialFailures": stats.dial_failures,
+                    "failed": stats.failed,
+                },
+                "bytes": {"in": stats.bytes_in, "out": stats.bytes_out},
+                "udp": {
+                    "sessionsActive": stats.udp_sessions_active,
+                    "datagramsIn": stats.udp_datagrams_in,
+                    "datagramsOut": stats.udp_datagrams_out,
+                    "dropped": stats.udp_dropped,
+                },
+            }
+        for name, message in sorted(self._errors.items()):
+            out.setdefault(str(name), {})["error"] = message
+        return out
+
+
+def local_addresses_in(cidrs: Sequence[str], addresses: Iterable[str]) -> list[str]:
+    """The addresses that fall inside any of `cidrs` (for `--nodeport-addresses`)."""
+    networks = [ipaddress.ip_network(c, strict=False) for c in cidrs]
+    return [a for a in addresses if any(ipaddress.ip_address(a) in n for n in networks)]
