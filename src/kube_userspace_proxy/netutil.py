@@ -1,0 +1,78 @@
+"""Node identity and address helpers: node name, node IPs from a Node object, IP families."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from kube_userspace_proxy.errors import ConfigError
+
+Family = Literal[4, 6]
+
+NODE_NAME_ENV = "NODE_NAME"
+"""Environment variable naming the node (set from the downward API in the DaemonSet)."""
+
+
+def node_name(
+    hostname_override: str | None = None, *, environ: Mapping[str, str] | None = None
+) -> str:
+    """The node's name: `--hostname-override`, else `$NODE_NAME`, else the hostname (lowercased).
+
+    Lowercased and trimmed like kube-proxy, since Node names are DNS subdomains.
+    """
+    env = os.environ if environ is None else environ
+    for candidate in (hostname_override, env.get(NODE_NAME_ENV), socket.gethostname()):
+        name = (candidate or "").strip().lower()
+        if name:
+            return name
+    raise ConfigError("cannot determine the node name: set --hostname-override or $NODE_NAME")
+
+
+def ip_family(address: str) -> Family | None:
+    """4 or 6 for a valid IP address (no prefix length), None otherwise."""
+    try:
+        return 6 if isinstance(ipaddress.ip_address(address), ipaddress.IPv6Address) else 4
+    except ValueError:
+        return None
+
+
+def is_ipv6(address: str) -> bool:
+    """True for a valid IPv6 address."""
+    return ip_family(address) == 6
+
+
+def by_family(addresses: Iterable[str], family: Family) -> tuple[str, ...]:
+    """The valid addresses of one family, in their order."""
+    return tuple(a for a in addresses if ip_family(a) == family)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """`host:port`, bracketing IPv6 literals as `[::1]:80` (Go's net.JoinHostPort)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def node_ips(node: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The node's primary IP, then the first IP of the other family (dual stack), if any.
+
+    Mirrors Kubernetes' GetNodeHostIPs: InternalIPs rank before ExternalIPs; other address
+    types (Hostname, InternalDNS) are not IPs and are skipped.
+    """
+    if not node:
+        return ()
+    addresses = (node.get("status") or {}).get("addresses") or ()
+    ranked: list[str] = []
+    for wanted in ("InternalIP", "ExternalIP"):
+        for entry in addresses:
+            if isinstance(entry, Mapping) and entry.get("type") == wanted:
+                address = str(entry.get("address", ""))
+                if ip_family(address) is not None and address not in ranked:
+                    ranked.append(address)
+    if not ranked:
+        return ()
+    primary = ranked[0]
+    other: Family = 4 if ip_family(primary) == 6 else 6
+    second = next((a for a in ranked if ip_family(a) == other), None)
+    return (primary, second) if second else (primary,)
