@@ -1,0 +1,219 @@
+"""The ops HTTP server: kube-proxy's health site and metrics site, on aiohttp.
+
+Health site (`--healthz-bind-address`, default 0.0.0.0:10256): `/healthz`, `/livez`.
+Metrics site (`--metrics-bind-address`, default 127.0.0.1:10249): `/metrics`, `/proxyMode`,
+`/healthz` (a plain "ok": the metrics server is up), `/configz`, `/debug/state`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import ipaddress
+import json
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from kube_userspace_proxy import logs
+from kube_userspace_proxy.errors import ConfigError, PortInUseError
+from kube_userspace_proxy.health import ProxyHealth
+from kube_userspace_proxy.metrics import ProxyMetrics
+
+log = logs.get(__name__)
+
+PROXY_MODE = "userspace"
+HEALTHZ_FLAG = "--healthz-bind-address"
+METRICS_FLAG = "--metrics-bind-address"
+DEFAULT_HEALTHZ_PORT = 10256
+DEFAULT_METRICS_PORT = 10249
+
+_NOSNIFF = {"X-Content-Type-Options": "nosniff"}
+_pretty = functools.partial(json.dumps, indent=2, sort_keys=True, default=str)
+
+StateSource = Callable[[], dict[str, Any]]
+
+
+def parse_bind_address(text: str, *, default_port: int, flag: str) -> tuple[str, int] | None:
+    """`host:port`, `[v6]:port`, `:port` or a bare IP (default port); None when disabled.
+
+    An empty value or "0" disables the site, as in kube-proxy. Port 0 asks the kernel for one.
+    """
+    text = text.strip()
+    if text in ("", "0"):
+        return None
+    host, port_text = text, ""
+    if text.startswith("["):
+        close = text.find("]")
+        rest = text[close + 1 :]
+        if close < 0 or (rest and not rest.startswith(":")):
+            raise ConfigError(f"{flag}={text!r}: expected [IPv6]:port")
+        host, port_text = text[1:close], rest[1:]
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    host = host or "0.0.0.0"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(f"{flag}={text!r}: {host!r} is not an IP address") from None
+    if not port_text:
+        return str(ip), default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{flag}={text!r}: port must be a number from 0 to 65535")
+    return str(ip), int(port_text)
+
+
+def _listen(address: tuple[str, int], *, flag: str, what: str) -> socket.socket:
+    """A listening socket, or an operator-facing error naming the address and the flag."""
+    host, port = address
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # Lets a restarted proxy bind while old connections sit in TIME_WAIT; a live listener
+        # on the port still makes bind fail with EADDRINUSE.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as err:
+        sock.close()
+        shown = _show(address)
+        if err.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                f"cannot serve {what} on {shown} ({flag}): the address is already in use; "
+                f"is another kube-proxy running on this node? Stop it or choose another {flag}"
+            ) from err
+        raise ConfigError(f"cannot serve {what} on {shown} ({flag}): {err.strerror}") from err
+    return sock
+
+
+class OpsServer:
+    """The running health and metrics sites; `close()` stops both."""
+
+    def __init__(self) -> None:
+        self._runners: list[web.AppRunner] = []
+        self.healthz_address: tuple[str, int] | None = None
+        self.metrics_address: tuple[str, int] | None = None
+
+    @property
+    def healthz_port(self) -> int | None:
+        """The bound health port (the real one when 0 was asked); None when disabled."""
+        return self.healthz_address[1] if self.healthz_address else None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_address[1] if self.metrics_address else None
+
+    async def serve(self, app: web.Application, sock: socket.socket) -> tuple[str, int]:
+        """Serve `app` on a listening socket (owned from now on); returns the bound address."""
+        # Probes and scrapers keep connections alive: do not wait long for them on close.
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        self._runners.append(runner)
+        bound: tuple[str, int] = sock.getsockname()[:2]
+        await web.SockSite(runner, sock).start()
+        return bound
+
+    async def close(self) -> None:
+        """Stop both sites; open keep-alive connections are closed."""
+        runners, self._runners = self._runners, []
+        for runner in reversed(runners):
+            await runner.cleanup()
+
+
+def _health_app(health: ProxyHealth, metrics: ProxyMetrics) -> web.Application:
+    async def healthz(_: web.Request) -> web.Response:
+        code, body = health.healthz()
+        metrics.healthz_served(code)
+        return web.json_response(body, status=code, headers=_NOSNIFF)
+
+    async def livez(_: web.Request) -> web.Response:
+        code, body = health.livez()
+        metrics.livez_served(code)
+        return web.json_response(body, status=code, headers=_NOSNIFF)
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/livez", livez)
+    return app
+
+
+def _metrics_app(
+    metrics: ProxyMetrics, debug_state: StateSource, configz: StateSource
+) -> web.Application:
+    async def scrape(request: web.Request) -> web.Response:
+        # Copy the counters on the loop (cheap, no races with the proxier's tables), then
+        # format the text in a worker thread so a large scrape does not stall the data plane.
+        captured = metrics.capture()
+        accept = request.headers.get("Accept", "")
+        body, content_type = await asyncio.to_thread(metrics.render, captured, accept)
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def proxy_mode(_: web.Request) -> web.Response:
+        return web.Response(text=PROXY_MODE, headers=_NOSNIFF)
+
+    async def ping(_: web.Request) -> web.Response:
+        return web.Response(text="ok", headers=_NOSNIFF)
+
+    async def config(_: web.Request) -> web.Response:
+        return web.json_response(configz(), dumps=_pretty, headers=_NOSNIFF)
+
+    async def state(_: web.Request) -> web.Response:
+        return web.json_response(debug_state(), dumps=_pretty, headers=_NOSNIFF)
+
+    app = web.Application()
+    app.router.add_get("/metrics", scrape)
+    app.router.add_get("/proxyMode", proxy_mode)
+    app.router.add_get("/healthz", ping)
+    app.router.add_get("/configz", config)
+    app.router.add_get("/debug/state", state)
+    return app
+
+
+async def start_ops(
+    *,
+    healthz_bind: str,
+    metrics_bind: str,
+    health: ProxyHealth,
+    metrics: ProxyMetrics,
+    debug_state: StateSource,
+    configz: StateSource,
+) -> OpsServer:
+    """Bind and start both sites; raises PortInUseError or ConfigError before serving anything."""
+    healthz_at = parse_bind_address(
+        healthz_bind, default_port=DEFAULT_HEALTHZ_PORT, flag=HEALTHZ_FLAG
+    )
+    metrics_at = parse_bind_address(
+        metrics_bind, default_port=DEFAULT_METRICS_PORT, flag=METRICS_FLAG
+    )
+    # Bind both first, so a taken port fails the start before anything is served.
+    sockets: list[socket.socket] = []
+    server = OpsServer()
+    try:
+        if healthz_at is not None:
+            sockets.append(_listen(healthz_at, flag=HEALTHZ_FLAG, what="health checks"))
+        if metrics_at is not None:
+            sockets.append(_listen(metrics_at, flag=METRICS_FLAG, what="metrics"))
+        pending = iter(sockets)
+        if healthz_at is not None:
+            app = _health_app(health, metrics)
+            server.healthz_address = await server.serve(app, next(pending))
+            log.info("Serving /healthz and /livez on %s", _show(server.healthz_address))
+        if metrics_at is not None:
+            app = _metrics_app(metrics, debug_state, configz)
+            server.metrics_address = await server.serve(app, next(pending))
+            log.info("Serving /metrics and /proxyMode on %s", _show(server.metrics_address))
+    except BaseException:
+        await server.close()
+        for sock in sockets:
+            sock.close()  # a no-op for sockets the runners already closed
+        raise
+    return server
+
+
+def _show(address: tuple[str, int]) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

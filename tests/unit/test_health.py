@@ -1,0 +1,112 @@
+"""ProxyHealth follows kube-proxy's /healthz and /livez semantics (pkg/proxy/healthcheck)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from kube_userspace_proxy.health import ProxyHealth, rfc3339
+
+SYNC_PERIOD = 30.0
+START = 1_700_000_000.0
+
+
+class Clock:
+    """A settable clock: tests move time instead of sleeping."""
+
+    def __init__(self, now: float = START) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make() -> tuple[ProxyHealth, Clock]:
+    clock = Clock()
+    return ProxyHealth(SYNC_PERIOD, clock=clock), clock
+
+
+def test_healthy_while_starting_with_nothing_queued() -> None:
+    health, clock = make()
+    clock.now += 10 * SYNC_PERIOD
+    assert health.livez()[0] == 200
+    assert health.healthz()[0] == 200
+
+
+def test_queued_change_is_healthy_until_twice_the_sync_period() -> None:
+    health, clock = make()
+    health.queued_update()
+    clock.now += 2 * SYNC_PERIOD
+    assert health.healthz()[0] == 200
+    clock.now += 0.001
+    assert health.healthz()[0] == 503
+    assert health.livez()[0] == 503
+
+
+def test_only_the_oldest_queued_change_counts() -> None:
+    health, clock = make()
+    health.queued_update()
+    clock.now += 2 * SYNC_PERIOD - 1
+    health.queued_update()  # a newer change must not restart the timer
+    clock.now += 2
+    assert health.livez()[0] == 503
+
+
+def test_successful_sync_makes_it_healthy_again() -> None:
+    health, clock = make()
+    health.queued_update()
+    clock.now += 3 * SYNC_PERIOD
+    assert health.livez()[0] == 503
+    health.synced()
+    assert health.livez()[0] == 200
+    assert health.healthz()[0] == 200
+
+
+def test_ineligible_node_fails_healthz_but_not_livez() -> None:
+    health, _ = make()
+    health.set_node_eligible(False)
+    code, body = health.healthz()
+    assert code == 503
+    assert body["nodeEligible"] is False
+    assert health.livez()[0] == 200
+    health.set_node_eligible(True)
+    assert health.healthz()[0] == 200
+
+
+def test_healthy_body_reports_now_as_last_updated() -> None:
+    health, clock = make()
+    health.synced()
+    clock.now += 5
+    code, body = health.healthz()
+    assert code == 200
+    assert body == {
+        "lastUpdated": rfc3339(clock.now),
+        "currentTime": rfc3339(clock.now),
+        "nodeEligible": True,
+    }
+    assert set(health.livez()[1]) == {"lastUpdated", "currentTime"}
+
+
+def test_unhealthy_body_reports_the_last_successful_sync() -> None:
+    health, clock = make()
+    health.synced()
+    synced_at = clock.now
+    clock.now += 1
+    health.queued_update()
+    clock.now += 3 * SYNC_PERIOD
+    code, body = health.livez()
+    assert code == 503
+    assert body["lastUpdated"] == rfc3339(synced_at)
+    assert body["currentTime"] == rfc3339(clock.now)
+
+
+def test_unhealthy_before_any_sync_reports_zero_time() -> None:
+    health, clock = make()
+    health.queued_update()
+    clock.now += 3 * SYNC_PERIOD
+    assert health.livez()[1]["lastUpdated"] == "0001-01-01T00:00:00Z"
+
+
+def test_timestamps_are_rfc3339_utc() -> None:
+    text = rfc3339(START + 0.25)
+    assert text == "2023-11-14T22:13:20.250Z"
+    assert datetime.fromisoformat(text).timestamp() == START + 0.25
