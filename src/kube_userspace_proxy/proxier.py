@@ -82,6 +82,10 @@ class Proxier:
         self._closing: set[asyncio.Task[None]] = set()
         self.node_name: str | None = None
 
+    def set_rule_sink(self, portals: RuleSink | None) -> None:
+        """Send each sync's rule targets to `portals` (None: serve proxy ports only)."""
+        self._portals = portals
+
     # ---- reconcile -----------------------------------------------------------------------
 
     async def sync(self, snapshot: Snapshot) -> None:

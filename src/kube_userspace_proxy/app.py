@@ -1,0 +1,284 @@
+"""Wiring: sources -> state -> sync runner -> proxier, the ops server, signals and shutdown.
+
+Every long-lived coroutine is a named root task owned here. A failure in one connection is
+contained by the data plane; a failure in a root task stops the process loudly (exit 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import resource
+import signal
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import uvloop
+
+from kube_userspace_proxy import logs, netutil
+from kube_userspace_proxy.config import ProxyConfig
+from kube_userspace_proxy.errors import ProxyError
+from kube_userspace_proxy.health import ProxyHealth
+from kube_userspace_proxy.metrics import ProxyMetrics
+from kube_userspace_proxy.model import ProxiedPort
+from kube_userspace_proxy.ops import OpsServer, start_ops
+from kube_userspace_proxy.portals import Portals, explain, make_backend
+from kube_userspace_proxy.ports import PortAllocator, parse_port_range
+from kube_userspace_proxy.proxier import Proxier, RuleSink, local_addresses_in
+from kube_userspace_proxy.sources.kube import KubeSource
+from kube_userspace_proxy.sources.manifests import ManifestSource
+from kube_userspace_proxy.state import ClusterState
+from kube_userspace_proxy.sync import BoundedFrequencyRunner
+
+log = logs.get(__name__)
+
+
+def raise_nofile_limit() -> int:
+    """Raise RLIMIT_NOFILE's soft limit to the hard limit (each proxied connection needs two)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return soft
+
+
+class _CountingRules:
+    """Passes rule sets to the portals, keeping the node IPs current and counting failures."""
+
+    def __init__(
+        self, portals: Portals, metrics: ProxyMetrics, node_ips: Callable[[], Sequence[str]]
+    ):
+        self._portals = portals
+        self._metrics = metrics
+        self._node_ips = node_ips
+
+    def apply(self, ports: Sequence[ProxiedPort]) -> None:
+        try:
+            self._portals.set_node_ips(self._node_ips())
+            self._portals.apply(ports)
+        except Exception:
+            self._metrics.restore_failure()
+            raise
+
+
+@dataclass
+class Proxy:
+    """A running proxy: its parts, for the CLI, the demo and tests to inspect."""
+
+    config: ProxyConfig
+    state: ClusterState
+    proxier: Proxier
+    health: ProxyHealth
+    metrics: ProxyMetrics
+    runner: BoundedFrequencyRunner
+    ops: OpsServer | None = None
+    node_ips: tuple[str, ...] = ()
+    synced_once: asyncio.Event | None = None
+
+
+def build(config: ProxyConfig) -> Proxy:
+    """Create the parts of a proxy for `config` (nothing is opened or started yet)."""
+    node_name = netutil.node_name(config.hostname_override or None)
+    health = ProxyHealth(config.sync_period)
+    allocator = PortAllocator(parse_port_range(config.proxy_port_range), host=config.bind_address)
+    proxy: Proxy
+
+    def node_ips() -> tuple[str, ...]:
+        return config.node_ips or proxy.node_ips
+
+    def node_port_addresses() -> Sequence[str]:
+        if not config.nodeport_addresses:
+            return (config.bind_address,)
+        return local_addresses_in(config.nodeport_addresses, netutil.local_addresses())
+
+    proxier = Proxier(
+        allocator,
+        udp_idle_timeout=config.udp_idle_timeout,
+        node_port_addresses=node_port_addresses,
+    )
+    metrics = ProxyMetrics(proxier.port_stats, proxier.open_ports)
+    backend = make_backend(config.iptables_backend)
+    if backend is not None:
+        portals = Portals(
+            backend,
+            node_ips=node_ips(),
+            bind_address=config.bind_address,
+            nodeport_addresses=config.nodeport_addresses,
+        )
+        rules: RuleSink = _CountingRules(portals, metrics, node_ips)
+        proxier.set_rule_sink(rules)
+
+    def on_change() -> None:
+        health.queued_update()
+        metrics.sync_queued()
+        runner.request()
+
+    state = ClusterState(
+        node_name=node_name,
+        service_proxy_name=config.service_proxy_name or None,
+        on_change=on_change,
+    )
+
+    async def sync_once() -> None:
+        if not state.listed:
+            log.debug("sync skipped: waiting for the first complete list of Services and slices")
+            return
+        started = time.monotonic()
+        services, endpoints = state.pending_service_changes, state.pending_endpoint_changes
+        snapshot = state.snapshot()
+        if snapshot.node_ips:
+            proxy.node_ips = snapshot.node_ips
+        health.set_node_eligible(state.node_eligible)
+        await proxier.sync(snapshot)
+        metrics.add_changes(services, endpoints)
+        metrics.set_pending(state.pending_service_changes, state.pending_endpoint_changes)
+        metrics.sync_done(time.monotonic() - started)
+        health.synced()
+        now = time.time()
+        for trigger in snapshot.trigger_times:
+            metrics.network_programming(max(0.0, now - trigger))
+        if proxy.synced_once is not None:
+            proxy.synced_once.set()
+
+    runner = BoundedFrequencyRunner(
+        sync_once,
+        min_interval=config.min_sync_period,
+        max_interval=config.sync_period,
+        name="sync",
+    )
+    proxy = Proxy(config, state, proxier, health, metrics, runner)
+    return proxy
+
+
+def make_source(config: ProxyConfig, state: ClusterState) -> ManifestSource | KubeSource:
+    """Manifests when `--manifests` is given, else the API server."""
+    if config.manifests:
+        return ManifestSource(list(config.manifests), state)
+    return KubeSource(
+        state,
+        kubeconfig=config.kubeconfig or None,
+        master=config.master or None,
+        node_name=state.node_name,
+        service_proxy_name=config.service_proxy_name or None,
+        qps=config.kube_api_qps,
+        burst=config.kube_api_burst,
+        relist_period=config.config_sync_period,
+    )
+
+
+async def _first_done(tasks: Sequence[asyncio.Task[Any]], stop: asyncio.Event) -> str:
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    for task in tasks:
+        if task in done:
+            exc = task.exception()
+            if exc is not None:
+                log.error("root task %s failed: %r", task.get_name(), exc, exc_info=exc)
+                return "failed"
+            log.error("root task %s ended unexpectedly", task.get_name())
+            return "failed"
+    return "stopped"
+
+
+async def serve(
+    config: ProxyConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    started: Callable[[Proxy], Awaitable[None] | None] | None = None,
+) -> int:
+    """Run the proxy until SIGTERM/SIGINT (or `stop`), then shut down gracefully; exit code."""
+    limit = raise_nofile_limit()
+    log.info("kube-userspace-proxy starting (userspace mode, RLIMIT_NOFILE=%d)", limit)
+    proxy = build(config)
+    proxy.synced_once = asyncio.Event()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, _on_signal, sig, stop)
+    try:
+        proxy.ops = await start_ops(
+            healthz_bind=config.healthz_bind_address,
+            metrics_bind=config.metrics_bind_address,
+            health=proxy.health,
+            metrics=proxy.metrics,
+            debug_state=proxy.proxier.debug_state,
+            configz=lambda: {"kubeproxy.config.k8s.io": config.model_dump(mode="json")},
+        )
+    except ProxyError as exc:
+        log.error("%s", exc)
+        return 1
+    source = make_source(config, proxy.state)
+    tasks = [
+        asyncio.create_task(source.run(), name="source"),
+        asyncio.create_task(proxy.runner.loop(), name="sync"),
+    ]
+    if started is not None:
+        result = started(proxy)
+        if asyncio.iscoroutine(result):
+            await result
+    outcome = await _first_done(tasks, stop)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    log.info("stopping: no new connections; open ones get %.1fs", config.shutdown_grace)
+    await proxy.proxier.shutdown(config.shutdown_grace)
+    if proxy.ops is not None:
+        await proxy.ops.close()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(sig)
+    log.info("stopped (rules left in place; `kube-userspace-proxy cleanup` removes them)")
+    return 0 if outcome == "stopped" else 1
+
+
+async def rules_text(config: ProxyConfig) -> str:
+    """The rules `run` would install for the current sources, each with its explanation.
+
+    Proxy ports are picked when the proxy starts, so the ones shown are examples (numbered
+    from the start of `--proxy-port-range`, or from 40000); /debug/state shows the live ones.
+    """
+    proxy = build(config.model_copy(update={"iptables_backend": "none"}))
+    source = make_source(config, proxy.state)
+    await source.load_once()
+    snapshot = proxy.state.snapshot()
+    port_range = parse_port_range(config.proxy_port_range)
+    next_port = port_range[0] if port_range else 40000
+    ports = []
+    for info in sorted(snapshot.services.values(), key=lambda i: i.name):
+        cluster = next_port
+        external = next_port + 1 if info.paths_differ else cluster
+        next_port = external + 1
+        ports.append(ProxiedPort(info, cluster, external))
+    node_ips = config.node_ips or snapshot.node_ips
+    lines = [
+        f"# {len(ports)} service port(s); node IPs: "
+        + (", ".join(node_ips) or "none known (pass --node-ip)"),
+        "# proxy ports are examples: each run picks free ones (see /debug/state for live ones)",
+    ]
+    for rule, why in explain(
+        ports,
+        node_ips=node_ips,
+        bind_address=config.bind_address,
+        nodeport_addresses=config.nodeport_addresses,
+    ):
+        lines.append(f"{rule}\n    # {why}")
+    return "\n".join(lines)
+
+
+def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+    log.info("received %s", sig.name)
+    stop.set()
+
+
+def run_loop(main: Awaitable[int], event_loop: str = "uvloop") -> int:
+    """Run `main` on uvloop (or plain asyncio) and return its exit code."""
+    factory = uvloop.new_event_loop if event_loop == "uvloop" else None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)  # type: ignore[arg-type]
