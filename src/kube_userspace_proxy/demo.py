@@ -236,9 +236,12 @@ def _print_try(proxy: app.Proxy) -> None:
     print(f"  curl -s http://127.0.0.1:{proxier.port_of(STICKY)}/        # {STICKY}, sticky")
     print(f"  curl -s http://127.0.0.1:30080/        # NodePort of {MYAPP}")
     print(f"  echo hi | nc -u -w1 127.0.0.1 {proxier.port_of(ECHO)}     # {ECHO}")
-    if ops is not None:
-        for label, url in ops.urls().items():
-            print(f"  curl -s {url}        # {label}")
+    if ops is not None and ops.metrics_port:
+        base = f"http://127.0.0.1:{ops.metrics_port}"
+        print(f"  curl -s {base}/metrics | grep kube_userspace_proxy_    # per-service counters")
+        print(f"  curl -s {base}/debug/state         # service port -> proxy port -> endpoints")
+    if ops is not None and ops.healthz_port:
+        print(f"  curl -s http://127.0.0.1:{ops.healthz_port}/healthz")
 
 
 def main(*, serve: bool = False, requests: int = 30, event_loop: str = "uvloop") -> int:

@@ -1,0 +1,76 @@
+"""The command line: every option with unit and default; bad input exits 2 in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from kube_userspace_proxy import cli
+
+
+def test_help_lists_every_run_option_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in cli._RUN_FLAGS:
+        assert flag.flag in text
+    assert "--udp-timeout" in text and "default: 250ms" in text
+    assert "default: 30s" in text and "default: 0.0.0.0:10256" in text
+    assert text.count("default:") >= len(cli._RUN_FLAGS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["run", "--udp-timeout", "5x"], "--udp-timeout"),
+        (["run", "--no-such-flag"], "--no-such-flag"),
+        (["run", "--iptables-backend", "ipvs"], "--iptables-backend"),
+        (["--kube-api-burst", "many"], "--kube-api-burst"),
+    ],
+)
+def test_a_bad_flag_exits_2_with_one_line_naming_it(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert named in err
+
+
+def test_a_bad_value_caught_by_validation_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["run", "--manifests", "x.yaml", "--bind-address", "not-an-ip"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bind_address" in err
+
+
+def test_another_proxy_mode_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", "--proxy-mode", "ipvs", "--manifests", "x"]) == 2
+    assert "--proxy-mode" in capsys.readouterr().err
+
+
+def test_flags_alone_mean_run() -> None:
+    assert cli._argv_with_default_command(["--kubeconfig", "k"]) == ["run", "--kubeconfig", "k"]
+    assert cli._argv_with_default_command(["demo"]) == ["demo"]
+
+
+def test_config_file_and_flags_merge(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "kp.yaml"
+    path.write_text("kind: KubeProxyConfiguration\nportRange: 30000-30010\nudpIdleTimeout: 2s\n")
+    args = cli.make_parser().parse_args(
+        [
+            "run",
+            "--config",
+            str(path),
+            "--udp-timeout",
+            "500ms",
+            "--nodeport-addresses",
+            "10.0.0.0/8",
+        ]
+    )
+    config = cli.parse_config(args)
+    assert config.proxy_port_range == "30000-30010"
+    assert config.udp_idle_timeout == 0.5
+    assert config.nodeport_addresses == ("10.0.0.0/8",)
