@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import ipaddress
 import os
 import socket
@@ -76,3 +78,66 @@ def node_ips(node: Mapping[str, Any] | None) -> tuple[str, ...]:
     other: Family = 4 if ip_family(primary) == 6 else 6
     second = next((a for a in ranked if ip_family(a) == other), None)
     return (primary, second) if second else (primary,)
+
+
+class _SockaddrIn(ctypes.Structure):
+    _fields_ = (
+        ("family", ctypes.c_ushort),
+        ("port", ctypes.c_uint16),
+        ("addr", ctypes.c_ubyte * 4),
+    )
+
+
+class _SockaddrIn6(ctypes.Structure):
+    _fields_ = (
+        ("family", ctypes.c_ushort),
+        ("port", ctypes.c_uint16),
+        ("flowinfo", ctypes.c_uint32),
+        ("addr", ctypes.c_ubyte * 16),
+        ("scope_id", ctypes.c_uint32),
+    )
+
+
+class _Ifaddrs(ctypes.Structure):
+    pass
+
+
+_Ifaddrs._fields_ = (
+    ("next", ctypes.POINTER(_Ifaddrs)),
+    ("name", ctypes.c_char_p),
+    ("flags", ctypes.c_uint),
+    ("addr", ctypes.POINTER(_SockaddrIn6)),
+    ("netmask", ctypes.c_void_p),
+    ("ifu", ctypes.c_void_p),
+    ("data", ctypes.c_void_p),
+)
+
+
+def local_addresses() -> tuple[str, ...]:
+    """Every IP address configured on this network namespace's interfaces (getifaddrs(3)).
+
+    Link-local IPv6 addresses are left out: NodePorts are not served on them.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    head = ctypes.POINTER(_Ifaddrs)()
+    if libc.getifaddrs(ctypes.byref(head)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"getifaddrs: {os.strerror(err)}")
+    found: list[str] = []
+    try:
+        entry = head
+        while entry:
+            sockaddr = entry.contents.addr
+            if sockaddr:
+                family = sockaddr.contents.family
+                if family == socket.AF_INET:
+                    raw = ctypes.cast(sockaddr, ctypes.POINTER(_SockaddrIn)).contents.addr
+                    found.append(str(ipaddress.IPv4Address(bytes(raw))))
+                elif family == socket.AF_INET6:
+                    v6 = ipaddress.IPv6Address(bytes(sockaddr.contents.addr))
+                    if not v6.is_link_local:
+                        found.append(str(v6))
+            entry = entry.contents.next
+    finally:
+        libc.freeifaddrs(head)
+    return tuple(dict.fromkeys(found))
