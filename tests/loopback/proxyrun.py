@@ -1,0 +1,151 @@
+"""Run the whole proxy in-process on loopback from manifests the test writes; named backends."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kube_userspace_proxy import app
+from kube_userspace_proxy.config import ProxyConfig
+
+
+class NamedBackend(asyncio.Protocol):
+    """Answers each connection's first bytes with its name, then closes (like `GET /`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(self.name.encode())
+        self.transport.close()
+
+
+async def start_named_backends(names: Iterable[str]) -> list[tuple[str, int, asyncio.Server]]:
+    """One TCP server per name on 127.0.0.1:<ephemeral>; returns (name, port, server)."""
+    loop = asyncio.get_running_loop()
+    out = []
+    for name in names:
+        server = await loop.create_server(lambda n=name: NamedBackend(n), "127.0.0.1", 0)
+        out.append((name, server.sockets[0].getsockname()[1], server))
+    return out
+
+
+async def ask(port: int, host: str = "127.0.0.1") -> str:
+    """Connect, send a line, return what the backend answered (its name)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"hello\n")
+    data = await reader.read()
+    writer.close()
+    return data.decode()
+
+
+def service(
+    name: str,
+    ports: list[dict[str, Any]],
+    *,
+    namespace: str = "default",
+    cluster_ip: str = "10.96.0.10",
+    **spec: Any,
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"clusterIP": cluster_ip, "ports": ports, **spec},
+    }
+
+
+def endpoint_slice(
+    service_name: str,
+    port_name: str,
+    targets: Iterable[tuple[str, int]],
+    *,
+    namespace: str = "default",
+    protocol: str = "TCP",
+    suffix: str = "abc",
+) -> list[dict[str, Any]]:
+    """One slice per distinct target port (slices share a port list), all for `service_name`."""
+    by_port: dict[int, list[str]] = {}
+    for ip, port in targets:
+        by_port.setdefault(port, []).append(ip)
+    return [
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"{service_name}-{suffix}{i}",
+                "namespace": namespace,
+                "labels": {"kubernetes.io/service-name": service_name},
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": port_name, "port": port, "protocol": protocol}],
+            "endpoints": [{"addresses": [ip], "conditions": {"ready": True}} for ip in ips],
+        }
+        for i, (port, ips) in enumerate(sorted(by_port.items()))
+    ]
+
+
+def write_manifests(path: Path, objects: Iterable[dict[str, Any]]) -> None:
+    """Write atomically so the watcher never reads half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump_all(list(objects)))
+    tmp.replace(path)
+
+
+async def wait_for(predicate: Callable[[], Any], seconds: float = 5.0, what: str = "") -> Any:
+    """Poll `predicate` until it returns something truthy or the deadline passes."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {seconds}s waiting for {what or predicate}")
+        await asyncio.sleep(0.02)
+
+
+def loopback_config(manifests: Path, **overrides: Any) -> ProxyConfig:
+    values: dict[str, Any] = {
+        "bind_address": "127.0.0.1",
+        "manifests": (str(manifests),),
+        "iptables_backend": "none",
+        "healthz_bind_address": "127.0.0.1:0",
+        "metrics_bind_address": "127.0.0.1:0",
+        "hostname_override": "node-1",
+        "nodeport_addresses": ("127.0.0.1/32",),
+        "min_sync_period": 0.05,
+        "shutdown_grace": 1.0,
+    }
+    values.update(overrides)
+    return ProxyConfig(**values)
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(config: ProxyConfig) -> AsyncIterator[app.Proxy]:
+    """Serve `config` in this event loop until the block ends; yields the running Proxy."""
+    stop = asyncio.Event()
+    ready: asyncio.Future[app.Proxy] = asyncio.get_running_loop().create_future()
+
+    def started(proxy: app.Proxy) -> None:
+        ready.set_result(proxy)
+
+    task = asyncio.create_task(app.serve(config, stop=stop, started=started))
+    try:
+        proxy = await asyncio.wait_for(asyncio.shield(ready), 10)
+        assert proxy.synced_once is not None
+        await asyncio.wait_for(proxy.synced_once.wait(), 10)
+        yield proxy
+    finally:
+        stop.set()
+        code = await asyncio.wait_for(task, 15)
+        assert code == 0

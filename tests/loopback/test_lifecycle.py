@@ -1,0 +1,123 @@
+"""The installed command as a process: the demo, and SIGTERM with a transfer in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.loopback.proxyrun import endpoint_slice, service, write_manifests
+
+CLI = [sys.executable, "-m", "kube_userspace_proxy"]
+
+
+def test_the_demo_prints_the_spread_and_exits_0() -> None:
+    result = subprocess.run(
+        [*CLI, "demo", "--requests", "30"], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    # Round robin: each of the three pods got 10 of 30 requests.
+    rr = out.split("demo/myapp:http")[1].split("demo/myapp-sticky")[0]
+    for pod in ("pod-a", "pod-b", "pod-c"):
+        assert f"{pod} (127.0.0.1" in rr
+        assert " 10 " in rr.split(pod)[1].splitlines()[0]
+    # Affinity: all 30 to a single pod.
+    sticky = out.split("demo/myapp-sticky:http")[1].split("demo/echo-udp")[0]
+    assert sum(" 30 " in line for line in sticky.splitlines()) == 1
+    # UDP spread and the rules that would capture the ClusterIPs and NodePort.
+    assert "demo/echo-udp:echo" in out
+    assert "KUBE-PORTALS-CONTAINER" in out and "--dport 30080" in out
+
+
+class _SlowSink(asyncio.Protocol):
+    """A backend that reads slowly and hashes what it got, then answers with the digest."""
+
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.digest.update(data)
+
+    def eof_received(self) -> bool:
+        self.transport.write(self.digest.hexdigest().encode())
+        self.transport.close()
+        return True
+
+
+async def test_sigterm_lets_a_transfer_in_flight_finish_and_exits_0(tmp_path: Path) -> None:
+    loop = asyncio.get_running_loop()
+    backend = await loop.create_server(_SlowSink, "127.0.0.1", 0)
+    backend_port = backend.sockets[0].getsockname()[1]
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(
+        manifest,
+        [
+            service("bulk", [{"name": "data", "port": 9000}]),
+            *endpoint_slice("bulk", "data", [("127.0.0.1", backend_port)]),
+        ],
+    )
+    proc = subprocess.Popen(
+        [
+            *CLI,
+            "run",
+            "--manifests",
+            str(manifest),
+            "--bind-address",
+            "127.0.0.1",
+            "--iptables-backend",
+            "none",
+            "--healthz-bind-address",
+            "127.0.0.1:0",
+            "--metrics-bind-address",
+            "127.0.0.1:0",
+            "--shutdown-grace",
+            "10s",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        port = 0
+        deadline = time.monotonic() + 15
+        while not port and time.monotonic() < deadline:
+            line = await asyncio.to_thread(proc.stderr.readline)
+            if "default/bulk:data ->" in line:
+                port = int(line.split("->")[1].split(":")[1].split()[0])
+        assert port, "the proxy never announced its port"
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        payload = os.urandom(1 << 20)
+        writer.write(payload[: 1 << 19])
+        await writer.drain()
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)  # the proxy is shutting down while the client still sends
+        writer.write(payload[1 << 19 :])
+        await writer.drain()
+        writer.write_eof()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        assert answer.decode() == hashlib.sha256(payload).hexdigest()
+        writer.close()
+        assert await asyncio.to_thread(proc.wait, 15) == 0
+        # After shutdown no new connection is accepted.
+        with_refused = True
+        try:
+            await asyncio.open_connection("127.0.0.1", port)
+            with_refused = False
+        except ConnectionRefusedError:
+            pass
+        assert with_refused
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        backend.close()
