@@ -154,7 +154,7 @@ class EndpointPool:
             if (
                 pin is not None
                 and now - pin.last_used < timeout
-                and not self._penalised(pin.address, now)
+                and (not self._penalties or not self._penalised(pin.address, now))
             ):
                 pin.last_used = now
                 return pin.address

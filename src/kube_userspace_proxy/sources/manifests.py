@@ -1,0 +1,226 @@
+"""ManifestSource: Services and EndpointSlices from YAML/JSON files, reloaded when they change.
+
+The same objects `kubectl apply -f` takes (multi-document YAML, `kind: List`); other kinds are
+ignored. A file that stops parsing keeps its last good objects until it parses again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kube_userspace_proxy import logs
+from kube_userspace_proxy.errors import ManifestError
+from kube_userspace_proxy.state import ClusterState, Kind
+
+log = logs.get(__name__)
+
+SUFFIXES = frozenset({".yaml", ".yml", ".json"})
+KINDS: tuple[Kind, ...] = ("Service", "EndpointSlice")
+
+# What identifies a file's content cheaply: a rewrite, a rename over it or an append changes it.
+Signature = tuple[int, int, int, int]  # (mtime_ns, size, inode, device)
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    signature: Signature
+    objects: tuple[tuple[Kind, dict[str, Any]], ...]
+
+
+def read_manifest(path: Path) -> list[tuple[Kind, dict[str, Any]]]:
+    """The Services and EndpointSlices of one file; raises ManifestError naming file:line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{path}: cannot read: {exc}") from exc
+    try:
+        if path.suffix == ".json":
+            documents: list[Any] = [json.loads(text)] if text.strip() else []
+        else:
+            documents = list(yaml.safe_load_all(text))
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{path}:{exc.lineno}:{exc.colno}: {exc.msg}") from exc
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ManifestError(f"{where}: {exc.problem or exc.context}") from exc
+    except yaml.YAMLError as exc:
+        raise ManifestError(f"{path}: {exc}") from exc
+    return list(_objects(documents))
+
+
+def _objects(documents: Sequence[Any]) -> Iterator[tuple[Kind, dict[str, Any]]]:
+    for document in documents:
+        if not isinstance(document, dict):
+            continue  # empty documents (`---` at the end) and stray scalars
+        kind = document.get("kind")
+        if kind == "List":
+            items = document.get("items")
+            yield from _objects(items if isinstance(items, list) else [])
+        elif kind in KINDS:
+            metadata = document.get("metadata")
+            # As kubectl: an object without a namespace goes to "default".
+            if isinstance(metadata, dict) and not metadata.get("namespace"):
+                metadata["namespace"] = "default"
+            yield kind, document
+
+
+def _signature(path: Path) -> Signature | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
+
+
+class ManifestSource:
+    """Feeds a ClusterState from manifest files or directories (`*.yaml`, `*.yml`, `*.json`).
+
+    `run()` polls the files every `poll_interval` seconds (a stat per file) and replaces both
+    kinds in the state when any file changed.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str | Path],
+        state: ClusterState,
+        *,
+        poll_interval: float = 0.5,
+    ) -> None:
+        self.paths = tuple(Path(p) for p in paths)
+        self.state = state
+        self.poll_interval = poll_interval
+        self._loaded: dict[Path, _Loaded] = {}
+        self._failed: dict[Path, Signature | None] = {}  # broken files, logged at this signature
+        self._first = True
+        self.reloads = 0
+        self.errors = 0
+
+    def files(self) -> list[Path]:
+        """The manifest files now: given files as they are, directories' matching entries."""
+        found: list[Path] = []
+        for path in self.paths:
+            if path.is_dir():
+                try:
+                    entries = sorted(os.scandir(path), key=lambda e: e.name)
+                except OSError as exc:
+                    log.warning("cannot list manifest directory %s: %s", path, exc)
+                    continue
+                found.extend(
+                    Path(e.path)
+                    for e in entries
+                    if Path(e.name).suffix in SUFFIXES
+                    and not e.name.startswith(".")
+                    and e.is_file()
+                )
+            else:
+                found.append(path)
+        return list(dict.fromkeys(found))
+
+    def load_once(self, *, strict: bool = True) -> None:
+        """Read every file now and replace the state's objects.
+
+        `strict` (one-shot commands) raises ManifestError on a missing or broken file before
+        touching the state; otherwise the error is logged and the file's last good objects kept.
+        """
+        if strict:
+            for path in self.files():
+                if not path.exists():
+                    raise ManifestError(f"{path}: no such manifest file or directory")
+                read_manifest(path)
+        if self._read(self._scan(), force=True):
+            self._feed()
+
+    async def run(self) -> None:
+        """Load, then reload whenever a file changes; runs until cancelled."""
+        while True:
+            try:
+                current = self._scan()
+                # Parse off the loop; feed the state on it (on_change may touch the loop).
+                if (self._first or self._changed(current)) and await asyncio.to_thread(
+                    self._read, current, force=self._first
+                ):
+                    self._feed()
+            except (OSError, ManifestError) as exc:  # keep watching; the next poll may succeed
+                log.warning("manifest poll failed: %s", exc)
+            await asyncio.sleep(self.poll_interval)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _scan(self) -> dict[Path, Signature | None]:
+        return {path: _signature(path) for path in self.files()}
+
+    def _changed(self, current: dict[Path, Signature | None]) -> bool:
+        if current.keys() != self._loaded.keys() | self._failed.keys():
+            return True
+        for path, signature in current.items():
+            known = self._loaded.get(path)
+            if path in self._failed:
+                if self._failed[path] != signature:
+                    return True
+            elif known is None or known.signature != signature:
+                return True
+        return False
+
+    def _read(self, current: dict[Path, Signature | None], *, force: bool = False) -> bool:
+        """Re-read the files whose signature changed; True when the objects changed."""
+        changed = force
+        for path in [p for p in self._loaded if p not in current]:
+            log.info("manifest %s is gone: its objects are removed", path)
+            del self._loaded[path]
+            changed = True
+        for path in [p for p in self._failed if p not in current]:
+            del self._failed[path]
+        for path, signature in current.items():
+            known = self._loaded.get(path)
+            if known is not None and known.signature == signature and path not in self._failed:
+                continue
+            if path in self._failed and self._failed[path] == signature:
+                continue  # still broken as logged; keep the last good objects
+            if signature is None:
+                self._fail(path, None, f"{path}: no such manifest file or directory")
+                continue
+            try:
+                objects = tuple(read_manifest(path))
+            except ManifestError as exc:
+                self._fail(path, signature, str(exc))
+                continue
+            if path in self._failed:
+                log.info("manifest %s parses again", path)
+                del self._failed[path]
+            self._loaded[path] = _Loaded(signature, objects)
+            changed = True
+        self._first = False
+        if changed:
+            self.reloads += 1
+        return changed
+
+    def _fail(self, path: Path, signature: Signature | None, message: str) -> None:
+        self.errors += 1
+        self._failed[path] = signature
+        kept = path in self._loaded
+        log.error("%s (%s)", message, "keeping its last good objects" if kept else "nothing loaded")
+
+    def _feed(self) -> None:
+        by_kind: dict[Kind, dict[tuple[str, str], Mapping[str, Any]]] = {k: {} for k in KINDS}
+        for path, loaded in self._loaded.items():
+            for kind, obj in loaded.objects:
+                meta = obj.get("metadata")
+                key = (
+                    (str(meta.get("namespace")), str(meta.get("name")))
+                    if isinstance(meta, dict)
+                    else ("", str(id(obj)))  # let the state reject it with its own log line
+                )
+                if key in by_kind[kind]:
+                    log.warning("%s %s/%s in %s overrides an earlier one", kind, *key, path)
+                by_kind[kind][key] = obj
+        for kind in KINDS:
+            self.state.replace(kind, list(by_kind[kind].values()))

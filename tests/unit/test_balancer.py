@@ -1,0 +1,299 @@
+"""usable_endpoints and EndpointPool: round robin, ClientIP affinity, dial penalties."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kube_userspace_proxy.balancer import EndpointPool, usable_endpoints
+from kube_userspace_proxy.model import Endpoint, ServicePortName
+
+NAME = ServicePortName("default", "web", "http")
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def eps(count: int, port: int = 8080) -> list[Endpoint]:
+    return [Endpoint(f"10.0.0.{i + 1}", port) for i in range(count)]
+
+
+def pool_of(
+    endpoints: list[Endpoint], clock: Clock | None = None, timeout: float | None = None
+) -> EndpointPool:
+    pool = EndpointPool(NAME, affinity_timeout=timeout, clock=clock or Clock())
+    pool.update(endpoints, affinity_timeout=timeout)
+    return pool
+
+
+# -- usable_endpoints -------------------------------------------------------------------------
+
+
+def test_ready_endpoints_are_usable() -> None:
+    ready = Endpoint("10.0.0.1", 80)
+    not_ready = Endpoint("10.0.0.2", 80, ready=False, serving=False)
+    terminating = Endpoint("10.0.0.3", 80, ready=False, serving=True, terminating=True)
+    got = usable_endpoints([ready, not_ready, terminating], local_only=False, node_name=None)
+    assert got == (ready,)
+
+
+def test_serving_terminating_endpoints_are_the_fallback_when_none_is_ready() -> None:
+    not_ready = Endpoint("10.0.0.2", 80, ready=False, serving=False)
+    serving = Endpoint("10.0.0.3", 80, ready=False, serving=True, terminating=True)
+    gone = Endpoint("10.0.0.4", 80, ready=False, serving=False, terminating=True)
+    got = usable_endpoints([not_ready, serving, gone], local_only=False, node_name=None)
+    assert got == (serving,)
+
+
+def test_local_policy_keeps_only_endpoints_of_this_node() -> None:
+    here = Endpoint("10.0.0.1", 80, node_name="n1")
+    there = Endpoint("10.0.0.2", 80, node_name="n2")
+    nowhere = Endpoint("10.0.0.3", 80)
+    assert usable_endpoints([here, there, nowhere], local_only=True, node_name="n1") == (here,)
+    assert usable_endpoints([here, there, nowhere], local_only=False, node_name="n1") == (
+        here,
+        there,
+        nowhere,
+    )
+
+
+def test_local_filter_applies_before_the_terminating_fallback() -> None:
+    remote_ready = Endpoint("10.0.0.1", 80, node_name="n2")
+    local_terminating = Endpoint(
+        "10.0.0.2", 80, ready=False, serving=True, terminating=True, node_name="n1"
+    )
+    got = usable_endpoints([remote_ready, local_terminating], local_only=True, node_name="n1")
+    assert got == (local_terminating,)
+
+
+def test_unknown_node_name_has_no_local_endpoints() -> None:
+    assert usable_endpoints(eps(2), local_only=True, node_name=None) == ()
+
+
+# -- round robin ------------------------------------------------------------------------------
+
+
+def test_no_endpoints_picks_none() -> None:
+    pool = EndpointPool(NAME)
+    assert pool.pick("1.2.3.4") is None
+    assert not pool
+    assert not pool.has_endpoints
+
+
+def test_all_endpoints_gone_picks_none() -> None:
+    pool = pool_of(eps(3), timeout=60)
+    pool.pick("1.2.3.4")
+    pool.update([], affinity_timeout=60)
+    assert pool.pick("1.2.3.4") is None
+    assert pool.affinity_entries() == []
+
+
+@given(st.integers(1, 30), st.integers(1, 8))
+def test_round_robin_spreads_evenly(count: int, rounds: int) -> None:
+    pool = pool_of(eps(count))
+    picks = Counter(pool.pick("1.2.3.4") for _ in range(count * rounds))
+    assert picks == {e.address: rounds for e in eps(count)}
+
+
+@given(st.integers(1, 10), st.integers(1, 8), st.integers(0, 9))
+def test_round_robin_with_penalised_endpoint_spreads_over_the_rest(
+    count: int, rounds: int, victim: int
+) -> None:
+    clock = Clock()
+    pool = pool_of(eps(count + 1), clock)
+    bad = eps(count + 1)[victim % (count + 1)].address
+    pool.dial_failed(bad)
+    picks = Counter(pool.pick("1.2.3.4") for _ in range(count * rounds))
+    assert bad not in picks
+    assert set(picks.values()) == {rounds}
+
+
+def test_duplicate_addresses_count_once() -> None:
+    pool = pool_of(eps(2) + eps(2))
+    assert len(pool) == 2
+
+
+# -- affinity ---------------------------------------------------------------------------------
+
+
+def test_affinity_sticks_until_timeout() -> None:
+    clock = Clock()
+    pool = pool_of(eps(3), clock, timeout=60)
+    first = pool.pick("192.168.0.7")
+    for _ in range(10):
+        clock.advance(59)  # idle timeout: each use renews it
+        assert pool.pick("192.168.0.7") == first
+    clock.advance(60)
+    assert pool.pick("192.168.0.7") != first
+
+
+def test_affinity_separates_clients() -> None:
+    pool = pool_of(eps(3), timeout=60)
+    a, b = pool.pick("192.168.0.1"), pool.pick("192.168.0.2")
+    assert a != b
+    assert [pool.pick("192.168.0.1") for _ in range(5)] == [a] * 5
+    assert [pool.pick("192.168.0.2") for _ in range(5)] == [b] * 5
+
+
+@given(st.integers(1, 1000), st.integers(1, 1000), st.integers(0, 1500))
+def test_affinity_timeout_follows_service_updates(first: int, second: int, idle: int) -> None:
+    # kubernetes#107398: the Go userspace proxier kept the first timeout forever.
+    clock = Clock()
+    pool = pool_of(eps(3), clock, timeout=first)
+    pinned = pool.pick("192.168.0.7")
+    pool.update(eps(3), affinity_timeout=second)
+    assert pool.affinity_timeout == second
+    clock.advance(idle)
+    assert (pool.pick("192.168.0.7") == pinned) is (idle < second)
+
+
+def test_affinity_turned_off_forgets_pins_and_round_robins() -> None:
+    pool = pool_of(eps(3), timeout=60)
+    pool.pick("192.168.0.7")
+    pool.update(eps(3), affinity_timeout=None)
+    assert pool.affinity_entries() == []
+    assert len({pool.pick("192.168.0.7") for _ in range(3)}) == 3
+
+
+def test_affinity_entries_report_seconds_left() -> None:
+    clock = Clock()
+    pool = pool_of(eps(2), clock, timeout=100)
+    address = pool.pick("192.168.0.7")
+    clock.advance(30)
+    assert pool.affinity_entries() == [("192.168.0.7", address, pytest.approx(70))]
+    clock.advance(71)
+    assert pool.affinity_entries() == []
+
+
+def test_retry_moves_the_client_to_another_endpoint_and_repins() -> None:
+    pool = pool_of(eps(3), timeout=60)
+    first = pool.pick("192.168.0.7")
+    assert first is not None
+    pool.dial_failed(first)
+    second = pool.pick("192.168.0.7", retry=True)
+    assert second not in (None, first)
+    assert pool.pick("192.168.0.7") == second
+
+
+def test_affinity_table_stays_bounded() -> None:
+    clock = Clock()
+    pool = EndpointPool(NAME, affinity_timeout=3600, clock=clock, max_affinity_entries=100)
+    pool.update(eps(3), affinity_timeout=3600)
+    for i in range(5000):
+        pool.pick(f"10.1.{i // 256}.{i % 256}")
+    clients = [client for client, _, _ in pool.affinity_entries()]
+    assert len(clients) <= 100
+    assert "10.1.19.135" in clients  # the newest client is kept; the oldest were dropped
+
+
+def test_expired_pins_are_swept_before_live_ones_are_dropped() -> None:
+    clock = Clock()
+    pool = EndpointPool(NAME, affinity_timeout=10, clock=clock, max_affinity_entries=2000)
+    pool.update(eps(3), affinity_timeout=10)
+    for i in range(1500):
+        pool.pick(f"old-{i}")
+    clock.advance(11)
+    for i in range(1500):
+        pool.pick(f"new-{i}")
+    clients = {client for client, _, _ in pool.affinity_entries()}
+    assert clients == {f"new-{i}" for i in range(1500)}
+
+
+# -- penalties --------------------------------------------------------------------------------
+
+
+def test_penalised_endpoint_is_skipped_until_the_penalty_ends() -> None:
+    clock = Clock()
+    pool = pool_of(eps(3), clock)
+    bad = eps(3)[1].address
+    pool.dial_failed(bad)
+    assert bad not in {pool.pick("1.2.3.4") for _ in range(12)}
+    clock.advance(1.01)
+    assert bad in {pool.pick("1.2.3.4") for _ in range(3)}
+
+
+def test_all_penalised_still_picks_in_turn() -> None:
+    pool = pool_of(eps(3))
+    for endpoint in eps(3):
+        pool.dial_failed(endpoint.address)
+    assert {pool.pick("1.2.3.4") for _ in range(3)} == {e.address for e in eps(3)}
+
+
+def test_pinned_endpoint_under_penalty_moves_its_client() -> None:
+    pool = pool_of(eps(3), timeout=60)
+    pinned = pool.pick("192.168.0.7")
+    assert pinned is not None
+    pool.dial_failed(pinned)
+    moved = pool.pick("192.168.0.7")
+    assert moved not in (None, pinned)
+
+
+def test_dial_failure_of_unknown_address_is_ignored() -> None:
+    pool = pool_of(eps(2))
+    pool.dial_failed(("10.9.9.9", 1))
+    assert {pool.pick("1.2.3.4") for _ in range(2)} == {e.address for e in eps(2)}
+
+
+# -- updates ------------------------------------------------------------------------------------
+
+
+def test_update_keeps_the_cursor_on_its_endpoint() -> None:
+    a, b, c, d = eps(4)
+    pool = pool_of([a, b, c])
+    assert pool.pick("x") == a.address
+    pool.update([d, b, c], affinity_timeout=None)  # b was next; still is
+    assert pool.pick("x") == b.address
+
+
+def test_update_moves_cursor_to_next_survivor() -> None:
+    a, b, c = eps(3)
+    pool = pool_of([a, b, c])
+    assert pool.pick("x") == a.address
+    pool.update([a, c], affinity_timeout=None)  # b (next) is gone: c comes next
+    assert pool.pick("x") == c.address
+
+
+@given(
+    st.integers(2, 12),
+    st.lists(st.integers(0, 11), unique=True),
+    st.integers(0, 3),
+)
+def test_survivors_keep_pins_across_updates(count: int, removed_idx: list[int], added: int) -> None:
+    clock = Clock()
+    old = eps(count)
+    pool = pool_of(old, clock, timeout=600)
+    pins = {f"c{i}": pool.pick(f"c{i}") for i in range(count * 2)}
+    removed = {old[i].address for i in removed_idx if i < count}
+    new = [e for e in old if e.address not in removed] + [
+        Endpoint(f"10.0.1.{i}", 8080) for i in range(added)
+    ]
+    pool.update(new, affinity_timeout=600)
+    alive = {e.address for e in new}
+    for client, pinned in pins.items():
+        now = pool.pick(client)
+        if pinned in alive:
+            assert now == pinned
+        else:
+            assert now is None if not new else now in alive
+
+
+def test_update_with_same_endpoints_changes_nothing() -> None:
+    pool = pool_of(eps(3), timeout=60)
+    pinned = pool.pick("c")
+    before = pool.pick("other")
+    pool.update(eps(3), affinity_timeout=60)
+    assert pool.pick("c") == pinned
+    assert pool.pick("third") not in (None, before)

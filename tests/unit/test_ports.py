@@ -1,0 +1,205 @@
+"""PortAllocator and --proxy-port-range: real sockets bound on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import random
+import socket
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kube_userspace_proxy.errors import PortExhaustedError
+from kube_userspace_proxy.model import Protocol
+from kube_userspace_proxy.ports import PortAllocator, format_port_range, parse_port_range
+
+HOST = "127.0.0.1"
+
+
+def _kind(protocol: Protocol) -> int:
+    return socket.SOCK_STREAM if protocol is Protocol.TCP else socket.SOCK_DGRAM
+
+
+def _free_range(size: int) -> tuple[int, int]:
+    """`size` consecutive ports free for TCP and UDP on 127.0.0.1, below the ephemeral range."""
+    for _ in range(200):
+        low = random.randrange(20000, 32000 - size)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(low, low + size):
+                    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+                        sock = stack.enter_context(socket.socket(socket.AF_INET, kind))
+                        sock.bind((HOST, port))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                continue
+            return (low, low + size - 1)
+    pytest.fail(f"no {size} consecutive free ports found")
+
+
+@pytest.fixture
+def sockets() -> Iterator[list[socket.socket]]:
+    """Every socket a test gets or makes is closed at the end."""
+    held: list[socket.socket] = []
+    yield held
+    for sock in held:
+        sock.close()
+
+
+def _occupy(protocol: Protocol, port: int) -> socket.socket:
+    """A socket of 'someone else' holding `port` (listening, for TCP)."""
+    sock = socket.socket(socket.AF_INET, _kind(protocol))
+    sock.bind((HOST, port))
+    if protocol is Protocol.TCP:
+        sock.listen()
+    return sock
+
+
+# -- parse_port_range -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", "  ", "0-0", "0", "0+0"])
+def test_empty_or_zero_range_means_kernel_chosen(text: str) -> None:
+    assert parse_port_range(text) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("30000-30010", (30000, 30010)),
+        ("30000+10", (30000, 30010)),
+        ("8080", (8080, 8080)),
+        ("8080+0", (8080, 8080)),
+        (" 100-200 ", (100, 200)),
+        ("1-65535", (1, 65535)),
+    ],
+)
+def test_range_syntax_of_kube_proxy(text: str, expected: tuple[int, int]) -> None:
+    assert parse_port_range(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["abc", "200-100", "70000", "1-70000", "65530+10", "-5", "1-2-3", "10-", "+5", "0-100", "x+1"],
+)
+def test_malformed_range_is_a_value_error_naming_it(text: str) -> None:
+    with pytest.raises(ValueError, match=repr(text).replace("+", r"\+")):
+        parse_port_range(text)
+
+
+@given(st.integers(1, 65535), st.integers(0, 65534))
+def test_dash_and_plus_forms_agree(low: int, offset: int) -> None:
+    high = min(low + offset, 65535)
+    assert parse_port_range(f"{low}-{high}") == (low, high)
+    assert parse_port_range(f"{low}+{high - low}") == (low, high)
+    assert parse_port_range(format_port_range((low, high))) == (low, high)
+
+
+# -- kernel-chosen --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+def test_kernel_chosen_port_is_bound_on_the_bind_host(
+    protocol: Protocol, sockets: list[socket.socket]
+) -> None:
+    allocator = PortAllocator(None, host=HOST)
+    sock = allocator.reserve(protocol)
+    sockets.append(sock)
+    host, port = sock.getsockname()
+    assert host == HOST
+    assert port > 0
+    assert sock.type == _kind(protocol)
+    assert port in allocator.reserved(protocol)
+
+
+def test_tcp_socket_has_reuseaddr_and_is_not_listening(sockets: list[socket.socket]) -> None:
+    sock = PortAllocator(None, host=HOST).reserve(Protocol.TCP)
+    sockets.append(sock)
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR) == 1
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 0
+    assert not sock.getblocking()
+
+
+# -- ranges -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+def test_range_is_used_whole_then_exhausted(
+    protocol: Protocol, sockets: list[socket.socket]
+) -> None:
+    low, high = _free_range(4)
+    allocator = PortAllocator((low, high), host=HOST)
+    sockets.extend(allocator.reserve(protocol) for _ in range(4))
+    assert sorted(s.getsockname()[1] for s in sockets) == list(range(low, high + 1))
+    with pytest.raises(PortExhaustedError, match=f"--proxy-port-range={low}-{high}"):
+        allocator.reserve(protocol, name="default/web:http")
+
+
+def test_exhaustion_names_the_service_port(sockets: list[socket.socket]) -> None:
+    low, high = _free_range(1)
+    allocator = PortAllocator((low, high), host=HOST)
+    sockets.append(allocator.reserve(Protocol.TCP))
+    with pytest.raises(PortExhaustedError, match="default/web:http"):
+        allocator.reserve(Protocol.TCP, name="default/web:http")
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+def test_ports_taken_by_other_sockets_are_skipped(
+    protocol: Protocol, sockets: list[socket.socket]
+) -> None:
+    low, high = _free_range(4)
+    sockets.append(_occupy(protocol, low))
+    sockets.append(_occupy(protocol, low + 2))
+    allocator = PortAllocator((low, high), host=HOST)
+    got = [allocator.reserve(protocol) for _ in range(2)]
+    sockets.extend(got)
+    assert sorted(s.getsockname()[1] for s in got) == [low + 1, low + 3]
+    with pytest.raises(PortExhaustedError):
+        allocator.reserve(protocol)
+
+
+def test_tcp_and_udp_may_share_a_port_number(sockets: list[socket.socket]) -> None:
+    low, high = _free_range(1)
+    allocator = PortAllocator((low, high), host=HOST)
+    tcp = allocator.reserve(Protocol.TCP)
+    udp = allocator.reserve(Protocol.UDP)
+    sockets.extend([tcp, udp])
+    assert tcp.getsockname()[1] == udp.getsockname()[1] == low
+
+
+def test_released_port_can_be_reserved_again(sockets: list[socket.socket]) -> None:
+    low, high = _free_range(1)
+    allocator = PortAllocator((low, high), host=HOST)
+    first = allocator.reserve(Protocol.TCP)
+    first.close()
+    allocator.release(Protocol.TCP, low)
+    again = allocator.reserve(Protocol.TCP)
+    sockets.append(again)
+    assert again.getsockname()[1] == low
+
+
+def test_reserved_but_unreleased_port_is_not_handed_out_twice(
+    sockets: list[socket.socket],
+) -> None:
+    # SO_REUSEADDR lets two non-listening TCP sockets share a port on Linux: the allocator's
+    # own bookkeeping must prevent that.
+    low, high = _free_range(1)
+    allocator = PortAllocator((low, high), host=HOST)
+    sockets.append(allocator.reserve(Protocol.TCP))
+    with pytest.raises(PortExhaustedError):
+        allocator.reserve(Protocol.TCP)
+
+
+def test_bind_host_other_than_local_fails_loudly() -> None:
+    allocator = PortAllocator(None, host="192.0.2.1")  # TEST-NET-1: never a local address
+    with pytest.raises(OSError, match="assign"):
+        allocator.reserve(Protocol.TCP)
+
+
+def test_invalid_range_is_rejected_by_the_allocator() -> None:
+    with pytest.raises(ValueError, match="invalid port range"):
+        PortAllocator((10, 5))
