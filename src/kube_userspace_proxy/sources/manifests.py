@@ -125,8 +125,8 @@ class ManifestSource:
                 found.append(path)
         return list(dict.fromkeys(found))
 
-    def load_once(self, *, strict: bool = True) -> None:
-        """Read every file now and replace the state's objects.
+    async def load_once(self, *, strict: bool = True) -> None:
+        """Read every file now and replace the state's objects (KubeSource's shape).
 
         `strict` (one-shot commands) raises ManifestError on a missing or broken file before
         touching the state; otherwise the error is logged and the file's last good objects kept.
@@ -136,7 +136,7 @@ class ManifestSource:
                 if not path.exists():
                     raise ManifestError(f"{path}: no such manifest file or directory")
                 read_manifest(path)
-        if self._read(self._scan(), force=True):
+        if await asyncio.to_thread(self._read, self._scan(), force=True):
             self._feed()
 
     async def run(self) -> None:
