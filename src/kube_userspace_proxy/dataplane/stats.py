@@ -10,7 +10,7 @@ class Picker(Protocol):
     """Chooses backends for one service port (the balancer's EndpointPool fits this shape)."""
 
     def pick(self, client_ip: str, *, retry: bool = False) -> tuple[str, int] | None:
-        """An endpoint for `client_ip`; `retry=True` after a failed dial; None when none is usable."""
+        """An endpoint for `client_ip` (`retry` after a failed dial); None if none is usable."""
         ...
 
     def dial_failed(self, address: tuple[str, int]) -> None:

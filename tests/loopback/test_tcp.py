@@ -1,0 +1,467 @@
+"""TcpListener on 127.0.0.1 with real backends: forwarding, dialing, refusing, flow control."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from kube_userspace_proxy.dataplane import ConnStats, TcpListener
+from kube_userspace_proxy.dataplane.splice import PIPE_SIZE
+
+MiB = 1 << 20
+BOTH_LOOPS = pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])
+Backends = Callable[..., Awaitable[Any]]  # conftest.tcp_backends
+Listeners = Callable[..., Awaitable[TcpListener]]
+Eventually = Callable[..., Awaitable[None]]
+
+
+async def ask_name(port: int, host: str = "127.0.0.1") -> str:
+    """One request through the proxy to a `name` backend: returns the backend's name."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"who?\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 5)
+        return line.decode().strip()
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def exchange(port: int, payload: bytes, *, read_delay: float = 0.0) -> tuple[str, int]:
+    """Send `payload` then half-close, while reading until EOF: (sha256 received, bytes)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def send() -> None:
+        view = memoryview(payload)
+        for i in range(0, len(view), MiB):
+            writer.write(view[i : i + MiB])
+            await writer.drain()
+        writer.write_eof()
+
+    async def receive() -> tuple[str, int]:
+        digest = hashlib.sha256()
+        total = 0
+        while data := await reader.read(256 * 1024):
+            digest.update(data)
+            total += len(data)
+            if read_delay:
+                await asyncio.sleep(read_delay)
+        return digest.hexdigest(), total
+
+    try:
+        _, received = await asyncio.gather(send(), receive())
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    return received
+
+
+def connect_blocking(port: int, host: str = "127.0.0.1") -> None:
+    with socket.create_connection((host, port), timeout=2):
+        pass
+
+
+# --- forwarding
+
+
+@BOTH_LOOPS
+@pytest.mark.parametrize("splice", [True, False], ids=["splice", "copy"])
+async def test_16_mib_each_way_arrives_intact(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    splice: bool,
+    round_robin: Any,
+    eventually: Eventually,
+) -> None:
+    pattern = os.urandom(MiB)
+    backend = await tcp_backends("bulk", bulk_size=16 * MiB, pattern=pattern)
+    stats = ConnStats()
+    listener = await tcp_listener(round_robin(backend.address), stats=stats, splice=splice)
+    upload = os.urandom(16 * MiB)
+
+    got_digest, got_size = await exchange(listener.port, upload)
+
+    assert got_size == 16 * MiB
+    assert got_digest == hashlib.sha256(pattern * 16).hexdigest()
+    await eventually(lambda: len(backend.received_digests) == 1, what="backend digest")
+    assert backend.received_digests == [hashlib.sha256(upload).hexdigest()]
+    await eventually(lambda: stats.active == 0, what="connection closed")
+    assert (stats.bytes_in, stats.bytes_out) == (16 * MiB, 16 * MiB)
+    assert (stats.accepted, stats.completed) == (1, 1)
+    if splice:
+        assert stats.spliced >= 1
+    else:
+        assert stats.spliced == 0
+
+
+@BOTH_LOOPS
+async def test_half_close_reaches_backend_and_reply_still_arrives(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+) -> None:
+    backend = await tcp_backends("echo", "echo-a")
+    listener = await tcp_listener(round_robin(backend.address))
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    writer.write(b"hello")
+    writer.write_eof()  # shutdown(SHUT_WR)
+    reply = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    # The backend writes its trailer only after it saw EOF, so both halves worked.
+    assert reply == b"hello<eof seen by echo-a>"
+
+
+@BOTH_LOOPS
+async def test_client_data_sent_before_the_backend_answers_is_forwarded(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+) -> None:
+    backend = await tcp_backends("echo", "echo-a")
+    listener = await tcp_listener(round_robin(backend.address))
+    sock = socket.create_connection(("127.0.0.1", listener.port))
+    sock.sendall(b"x" * 100_000)  # sent at once, while the proxy is still dialing
+    sock.shutdown(socket.SHUT_WR)
+    loop = asyncio.get_running_loop()
+    received = await asyncio.wait_for(loop.run_in_executor(None, _read_all, sock), 5)
+    sock.close()
+    assert received == b"x" * 100_000 + b"<eof seen by echo-a>"
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    sock.settimeout(5)
+    chunks = []
+    while data := sock.recv(65536):
+        chunks.append(data)
+    return b"".join(chunks)
+
+
+async def test_requests_are_spread_round_robin(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+) -> None:
+    a = await tcp_backends("name", "a")
+    b = await tcp_backends("name", "b")
+    listener = await tcp_listener(round_robin(a.address, b.address))
+    names = [await ask_name(listener.port) for _ in range(4)]
+    assert sorted(names) == ["a", "a", "b", "b"]
+
+
+async def test_ipv6_listener_forwards(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+) -> None:
+    backend = await tcp_backends("name", "v6")
+    try:
+        listener = await tcp_listener(round_robin(backend.address), host="::1")
+    except OSError as exc:  # pragma: no cover - a host without IPv6 loopback
+        pytest.skip(f"no IPv6 loopback: {exc}")
+    assert await ask_name(listener.port, "::1") == "v6"
+
+
+# --- dialing
+
+
+@BOTH_LOOPS
+async def test_refusing_endpoint_is_skipped_without_client_visible_error(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    refusing_endpoint: tuple[str, int],
+    round_robin: Any,
+) -> None:
+    good = await tcp_backends("name", "good")
+    picker = round_robin(refusing_endpoint, good.address)
+    stats = ConnStats()
+    listener = await tcp_listener(picker, stats=stats)
+    names = [await ask_name(listener.port) for _ in range(4)]
+    assert names == ["good"] * 4
+    assert refusing_endpoint in picker.failed
+    assert stats.dial_failures >= 1
+    assert stats.failed == 0
+
+
+@BOTH_LOOPS
+async def test_all_endpoints_refusing_closes_the_client_quickly(
+    tcp_listener: Listeners,
+    refusing_endpoint: tuple[str, int],
+    round_robin: Any,
+) -> None:
+    stats = ConnStats()
+    listener = await tcp_listener(round_robin(refusing_endpoint), stats=stats)
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    started = time.monotonic()
+    with contextlib.suppress(ConnectionError):
+        assert await asyncio.wait_for(reader.read(), 2) == b""
+    assert time.monotonic() - started < 1.0
+    writer.close()
+    assert stats.failed == 1
+    assert stats.dial_failures == 4  # every rung of the ladder was tried
+
+
+async def test_all_endpoints_timing_out_fail_within_the_dial_ladder(
+    tcp_listener: Listeners,
+    blackhole_endpoint: tuple[str, int],
+    round_robin: Any,
+) -> None:
+    stats = ConnStats()
+    listener = await tcp_listener(round_robin(blackhole_endpoint), stats=stats)
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    started = time.monotonic()
+    with contextlib.suppress(ConnectionError):
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    elapsed = time.monotonic() - started
+    writer.close()
+    assert 3.5 < elapsed < 4.5  # 0.25 + 0.5 + 1 + 2 s
+    assert (stats.dial_failures, stats.failed) == (4, 1)
+
+
+async def test_a_slow_dial_does_not_block_other_accepts(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    blackhole_endpoint: tuple[str, int],
+    round_robin: Any,
+) -> None:
+    good = await tcp_backends("name", "good")
+    listener = await tcp_listener(round_robin(blackhole_endpoint, good.address))
+    _stuck_reader, stuck_writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    started = time.monotonic()
+    # The stuck dial waits 0.25 s then moves on; this one goes straight to `good`.
+    assert await ask_name(listener.port) == "good"
+    assert time.monotonic() - started < 0.2
+    stuck_writer.close()
+
+
+# --- refusing while there are no endpoints
+
+
+@BOTH_LOOPS
+async def test_no_endpoints_refuses_connections_and_keeps_the_port(
+    tcp_listener: Listeners,
+    round_robin: Any,
+) -> None:
+    stats = ConnStats()
+    listener = await tcp_listener(round_robin(), stats=stats)
+    with pytest.raises(ConnectionRefusedError):
+        connect_blocking(listener.port)
+    for reuse in (False, True):
+        intruder = socket.socket()
+        if reuse:
+            intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError, match="in use"):
+            intruder.bind(("127.0.0.1", listener.port))
+        intruder.close()
+    assert stats.accepted == 0
+    assert not listener.accepting
+
+
+@BOTH_LOOPS
+async def test_endpoints_appearing_make_the_port_accept_again(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+    eventually: Eventually,
+) -> None:
+    backend = await tcp_backends("name", "late")
+    picker = round_robin()
+    listener = await tcp_listener(picker)
+    with pytest.raises(ConnectionRefusedError):
+        connect_blocking(listener.port)
+    picker.endpoints.append(backend.address)
+    listener.refresh()
+    await eventually(lambda: listener.accepting, what="listening")
+    assert await ask_name(listener.port) == "late"
+
+
+async def test_endpoints_disappearing_refuses_at_once(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+) -> None:
+    backend = await tcp_backends("name", "a")
+    picker = round_robin(backend.address)
+    listener = await tcp_listener(picker)
+    assert await ask_name(listener.port) == "a"
+    picker.endpoints.clear()
+    listener.refresh()
+    with pytest.raises(ConnectionRefusedError):
+        connect_blocking(listener.port)
+
+
+async def test_endpoint_removed_mid_transfer_lets_that_transfer_complete(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+    eventually: Eventually,
+) -> None:
+    pattern = os.urandom(MiB)
+    backend = await tcp_backends("bulk", bulk_size=8 * MiB, pattern=pattern)
+    picker = round_robin(backend.address)
+    listener = await tcp_listener(picker)
+    transfer = asyncio.create_task(exchange(listener.port, b"u" * MiB, read_delay=0.01))
+    await eventually(lambda: backend.connections == 1, what="backend connected")
+    picker.endpoints.clear()
+    listener.refresh()
+    with pytest.raises(ConnectionRefusedError):
+        connect_blocking(listener.port)
+    digest, size = await asyncio.wait_for(transfer, 30)
+    assert (digest, size) == (hashlib.sha256(pattern * 8).hexdigest(), 8 * MiB)
+
+
+# --- flow control
+
+
+@pytest.mark.parametrize("splice", [True, False], ids=["splice", "copy"])
+async def test_slow_reader_keeps_proxy_buffers_bounded(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    splice: bool,
+    round_robin: Any,
+) -> None:
+    pattern = os.urandom(MiB)
+    backend = await tcp_backends("bulk", bulk_size=32 * MiB, pattern=pattern)
+    high_water = 128 * 1024
+    listener = await tcp_listener(
+        round_robin(backend.address), high_water=high_water, splice=splice
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port, limit=16 * 1024)
+    writer.write_eof()
+    peak = 0
+    received = 0
+    digest = hashlib.sha256()
+    while data := await reader.read(16 * 1024):
+        received += len(data)
+        digest.update(data)
+        peak = max(peak, listener.buffered_bytes)
+        if received < 4 * MiB:
+            await asyncio.sleep(0.002)  # slow for the first MiBs: the backend must be paused
+    writer.close()
+    assert received == 32 * MiB
+    assert digest.hexdigest() == hashlib.sha256(pattern * 32).hexdigest()
+    if splice:  # at most one pipe of bytes in flight
+        assert 0 < peak <= PIPE_SIZE
+    else:  # one write buffer up to the high-water mark plus one read of at most 256 KiB
+        assert 0 < peak <= high_water + 256 * 1024 + 64 * 1024
+
+
+@BOTH_LOOPS
+async def test_reset_by_the_backend_resets_the_client(
+    tcp_listener: Listeners,
+    round_robin: Any,
+    eventually: Eventually,
+) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.setblocking(False)
+    listener = await tcp_listener(round_robin(server.getsockname()))
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    loop = asyncio.get_running_loop()
+    conn, _ = await asyncio.wait_for(loop.sock_accept(server), 5)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    conn.close()  # RST
+    server.close()
+    with contextlib.suppress(ConnectionError):
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    await eventually(lambda: listener.active_connections == 0, what="connection gone")
+
+
+# --- scale
+
+
+async def test_1000_concurrent_connections_all_complete(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+    eventually: Eventually,
+) -> None:
+    a = await tcp_backends("name", "a")
+    b = await tcp_backends("name", "b")
+    stats = ConnStats()
+    listener = await tcp_listener(round_robin(a.address, b.address), stats=stats)
+    names = await asyncio.gather(*(ask_name(listener.port) for _ in range(1000)))
+    assert names.count("a") == names.count("b") == 500
+    await eventually(lambda: stats.active == 0, what="all connections closed")
+    assert (stats.accepted, stats.completed, stats.failed) == (1000, 1000, 0)
+
+
+# --- shutdown
+
+
+@BOTH_LOOPS
+async def test_close_lets_an_in_flight_transfer_finish(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+    eventually: Eventually,
+) -> None:
+    pattern = os.urandom(MiB)
+    backend = await tcp_backends("bulk", bulk_size=8 * MiB, pattern=pattern)
+    listener = await tcp_listener(round_robin(backend.address))
+    port = listener.port
+    transfer = asyncio.create_task(exchange(port, b"u" * MiB, read_delay=0.01))
+    await eventually(lambda: backend.connections == 1, what="backend connected")
+    await listener.close()
+    with pytest.raises(ConnectionRefusedError):
+        connect_blocking(port)
+    assert await asyncio.wait_for(transfer, 30) == (
+        hashlib.sha256(pattern * 8).hexdigest(),
+        8 * MiB,
+    )
+    await asyncio.wait_for(listener.drain(5), 1)  # nothing left: returns at once
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", port))  # the port is released
+    probe.close()
+
+
+async def test_drain_aborts_connections_still_open_after_the_timeout(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+) -> None:
+    backend = await tcp_backends("echo")
+    stats = ConnStats()
+    listener = await tcp_listener(round_robin(backend.address), stats=stats)
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    writer.write(b"ping")
+    assert await asyncio.wait_for(reader.readexactly(4), 5) == b"ping"
+    await listener.close()
+    started = time.monotonic()
+    await listener.drain(0.3)
+    assert 0.25 < time.monotonic() - started < 1.0
+    with contextlib.suppress(ConnectionError):
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    assert stats.active == 0
+
+
+async def test_no_descriptors_leak_after_connections_close(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+    eventually: Eventually,
+    open_fds: Callable[[], int],
+) -> None:
+    pattern = os.urandom(MiB)
+    backend = await tcp_backends("bulk", bulk_size=4 * MiB, pattern=pattern)
+    listener = await tcp_listener(round_robin(backend.address))
+    await exchange(listener.port, b"u")  # warm up: pipe pool, loop internals
+    before = open_fds()
+    for _ in range(5):
+        await exchange(listener.port, os.urandom(4 * MiB))
+    await eventually(lambda: listener.active_connections == 0, what="connections closed")
+    await eventually(lambda: backend.open_connections == 0, what="backend side closed")
+    assert open_fds() <= before
