@@ -101,6 +101,7 @@ class ManifestSource:
         self._loaded: dict[Path, _Loaded] = {}
         self._failed: dict[Path, Signature | None] = {}  # broken files, logged at this signature
         self._first = True
+        self.polls = 0  # polls done; reloads: polls that found changed objects
         self.reloads = 0
         self.errors = 0
 
@@ -151,6 +152,7 @@ class ManifestSource:
                     self._feed()
             except (OSError, ManifestError) as exc:  # keep watching; the next poll may succeed
                 log.warning("manifest poll failed: %s", exc)
+            self.polls += 1
             await asyncio.sleep(self.poll_interval)
 
     # -- internals ----------------------------------------------------------------------------
