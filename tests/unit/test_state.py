@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kube_userspace_proxy.model import Endpoint, Protocol, ServicePortName, Snapshot
 from kube_userspace_proxy.state import ClusterState
@@ -720,3 +722,69 @@ def test_malformed_node_keeps_previous_addresses(logged: pytest.LogCaptureFixtur
     assert state.snapshot().node_ips == ("10.0.0.5", "203.0.113.5")
     (line,) = lines(logged, logging.WARNING)
     assert line.startswith("skipping Node node-1: ")
+
+
+# -- never raises -------------------------------------------------------------------------------
+
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+SERVICE_PATHS = [
+    "metadata",
+    "metadata.labels",
+    "metadata.namespace",
+    "spec",
+    "spec.type",
+    "spec.clusterIP",
+    "spec.clusterIPs",
+    "spec.ports",
+    "spec.ports.0",
+    "spec.ports.0.port",
+    "spec.ports.0.name",
+    "spec.ports.0.protocol",
+    "spec.ports.0.nodePort",
+    "spec.externalIPs",
+    "spec.sessionAffinity",
+    "spec.sessionAffinityConfig",
+    "spec.internalTrafficPolicy",
+    "status",
+    "status.loadBalancer",
+]
+SLICE_PATHS = [
+    "metadata",
+    "metadata.labels",
+    "metadata.annotations",
+    "addressType",
+    "ports",
+    "ports.0",
+    "ports.0.port",
+    "ports.0.protocol",
+    "endpoints",
+    "endpoints.0",
+    "endpoints.0.addresses",
+    "endpoints.0.conditions",
+    "endpoints.0.conditions.serving",
+    "endpoints.0.nodeName",
+]
+
+
+@given(st.sampled_from(SERVICE_PATHS), JUNK, st.sampled_from(SLICE_PATHS), JUNK)
+def test_junk_anywhere_never_raises(
+    service_path: str, service_junk: Any, slice_path: str, slice_junk: Any
+) -> None:
+    state = ClusterState()
+    bad_service = _svc_with(service_path, service_junk)
+    bad_slice = _slice_with(slice_path, slice_junk)
+    state.replace("Service", [bad_service, service("good")])
+    state.replace("EndpointSlice", [bad_slice, endpoint_slice("good-abc", service_name="good")])
+    state.apply("Service", "MODIFIED", bad_service)
+    state.apply("EndpointSlice", "MODIFIED", bad_slice)
+    state.set_node(bad_service)
+    snap = state.snapshot()
+    assert ServicePortName("default", "good", "http") in snap.services
+    state.apply("EndpointSlice", "DELETED", bad_slice)
+    state.apply("Service", "DELETED", bad_service)
