@@ -92,7 +92,7 @@ class PortAllocator:
         taken = self._taken[protocol]
         if self.port_range is None:
             sock = self._bind(protocol, 0)
-            if sock is None:  # pragma: no cover - the kernel ran out of ephemeral ports
+            if not isinstance(sock, socket.socket):  # the kernel ran out of ephemeral ports
                 raise PortExhaustedError(
                     f"no free {protocol} port on {self.host} chosen by the kernel"
                     + (f" for {name}" if name else "")
@@ -102,19 +102,22 @@ class PortAllocator:
         low, high = self.port_range
         size = high - low + 1
         start = random.randrange(size)
+        denied = 0
         for i in range(size):
             port = low + (start + i) % size
             if port in taken:
                 continue
             sock = self._bind(protocol, port)
-            if sock is not None:
+            if isinstance(sock, socket.socket):
                 taken.add(port)
                 return sock
+            denied += sock == errno.EACCES
         raise PortExhaustedError(
             f"no free {protocol} port left in --proxy-port-range={low}-{high} on {self.host}"
             + (f" for {name}" if name else "")
-            + f" ({len(taken)} held by this proxy, the rest by other sockets);"
-            " widen the range or free ports"
+            + f" ({len(taken)} held by this proxy"
+            + (f", {denied} not permitted" if denied else "")
+            + ", the rest by other sockets); widen the range or free ports"
         )
 
     def release(self, protocol: Protocol, port: int) -> None:
@@ -125,7 +128,8 @@ class PortAllocator:
         """The ports of `protocol` currently handed out."""
         return frozenset(self._taken[protocol])
 
-    def _bind(self, protocol: Protocol, port: int) -> socket.socket | None:
+    def _bind(self, protocol: Protocol, port: int) -> socket.socket | int:
+        """A bound socket, or the errno saying the port is taken (other errors raise)."""
         kind = socket.SOCK_STREAM if protocol is Protocol.TCP else socket.SOCK_DGRAM
         sock = socket.socket(self._family, kind)
         try:
@@ -138,6 +142,6 @@ class PortAllocator:
             sock.close()
             if exc.errno in _TAKEN_ERRNOS:
                 log.debug("port %s/%d is taken: %s", protocol, port, exc.strerror)
-                return None
+                return exc.errno
             raise
         return sock

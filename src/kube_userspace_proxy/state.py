@@ -80,10 +80,17 @@ def _field(obj: Mapping[str, Any], key: str, kind: type[T], where: str, default:
     return value
 
 
+_TYPE_NAMES = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    int: "an integer",
+    bool: "a boolean",
+}
+
+
 def _type_name(kind: type[Any]) -> str:
-    return {dict: "an object", list: "a list", str: "a string", int: "an integer"}.get(
-        kind, kind.__name__
-    )
+    return _TYPE_NAMES.get(kind, kind.__name__)
 
 
 def _mapping(obj: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:

@@ -475,7 +475,7 @@ MALFORMED_SLICES = {
     ),
     "ready-wrong-type": (
         _slice_with("endpoints.0.conditions", {"ready": "yes"}),
-        "endpoints[0].conditions.ready: expected bool",
+        "endpoints[0].conditions.ready: expected a boolean",
     ),
     "port-too-big": (_slice_with("ports.0.port", 70000), "ports[0].port: 70000"),
     "port-0": (_slice_with("ports.0.port", 0), "ports[0].port: 0"),
