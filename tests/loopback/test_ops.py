@@ -9,6 +9,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.errors import ConfigError, PortInUseError
@@ -292,18 +294,31 @@ async def test_two_listeners_of_one_service_port_add_up_to_one_series(ops: Ops) 
     assert sample_value(text, "kube_userspace_proxy_proxy_ports") == 2
 
 
-async def test_openmetrics_is_served_when_asked_for(ops: Ops) -> None:
-    ops.proxy.stats[MYAPP] = [ConnStats(accepted=1)]
-    headers = {"Accept": "application/openmetrics-text; version=1.0.0"}
+async def test_metrics_are_prometheus_text_even_when_openmetrics_is_asked_for(ops: Ops) -> None:
+    # Prometheus asks for OpenMetrics first; like kube-proxy we answer with the text format.
+    headers = {"Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"}
     status, text, resp = await ops.get(ops.metrics_url("/metrics"), headers=headers)
     assert status == 200
-    assert resp.content_type == "application/openmetrics-text"
-    assert text.rstrip().endswith("# EOF")
+    assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert "# EOF" not in text
 
 
-async def test_plain_scrape_is_prometheus_text(ops: Ops) -> None:
-    _, _, resp = await ops.get(ops.metrics_url("/metrics"))
-    assert resp.content_type == "text/plain"
+async def test_fast_metrics_text_matches_the_registry(ops: Ops) -> None:
+    ops.proxy.stats[MYAPP] = [ConnStats(accepted=3, active=1, bytes_in=7, spliced=2)]
+    ops.proxy.stats[DNS] = [ConnStats(udp_sessions_total=4, refused_no_endpoints=1)]
+    served = await ops.scrape()
+    registry_text = generate_latest(ops.metrics.registry).decode()
+
+    def port_samples(text: str) -> set[tuple[str, tuple[tuple[str, str], ...], float]]:
+        return {
+            (sample.name, tuple(sorted(sample.labels.items())), sample.value)
+            for family in text_string_to_metric_families(text)
+            if family.name.startswith("kube_userspace_proxy_")
+            for sample in family.samples
+        }
+
+    assert port_samples(served) == port_samples(registry_text)
+    assert len(port_samples(served)) == 19  # 11 TCP + 7 UDP series + proxy_ports
 
 
 # -- binding -------------------------------------------------------------------------------
