@@ -212,6 +212,8 @@ class FakeApiServer:
         self.history_limit = history_limit
         self.bookmark_interval = bookmark_interval
         self.gone_as_http_status = gone_as_http_status
+        self.end_watches_at_once = False
+        """Fault switch: every new watch ends cleanly right after its headers."""
         self.requests: list[RequestRecord] = []
         self._rv = 1
         self._floor = 1  # history holds every event with rv > floor
@@ -608,6 +610,9 @@ class FakeApiServer:
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         await response.prepare(request)
+        if self.end_watches_at_once:
+            await response.write_eof()
+            return response
         if expired:
             body = status_object(
                 410, "Expired", f"too old resource version: {since} ({self._floor})"

@@ -257,25 +257,27 @@ class KubeSource:
         )
 
     async def _follow(self, res: _Resource) -> None:
+        # The resume point lives in self._versions, updated per event as it is applied, so
+        # a stream cut mid-way resumes exactly after the last event the state has seen.
         backoff = Backoff(*self._backoff)
-        version: str | None = None
+        listed = False
         gone_in_a_row = 0
         listed_at = 0.0
         while True:
             try:
-                if version is not None and self._relist_due(listed_at) <= 0:
+                if listed and self._relist_due(listed_at) <= 0:
                     log.debug("%s: periodic relist", res.kind)
-                    version = None
-                if version is None:
-                    version = await self._list(res)
-                    listed_at = time.monotonic()
-                    self._versions[res.kind] = version
+                    listed = False
+                if not listed:
+                    self._versions[res.kind] = await self._list(res)
+                    listed, listed_at = True, time.monotonic()
                     if backoff.failures:
                         log.info("%s list succeeded after %d failures", res.kind, backoff.failures)
                     backoff.reset()
                 started = time.monotonic()
-                events = await self._watch(res, version, self._relist_due(listed_at))
-                version = self._versions[res.kind]
+                events = await self._watch(
+                    res, self._versions[res.kind], self._relist_due(listed_at)
+                )
                 if events:
                     backoff.reset()
                     gone_in_a_row = 0
@@ -286,8 +288,12 @@ class KubeSource:
             except Expired:
                 self.relists_total += 1
                 gone_in_a_row += 1
-                log.info("%s watch expired at version %s; relisting", res.kind, version)
-                version = None
+                log.info(
+                    "%s version %s expired; relisting",
+                    res.kind,
+                    self._versions.get(res.kind),
+                )
+                listed = False
                 if gone_in_a_row > 1:
                     await asyncio.sleep(backoff.next())
             except _RETRYABLE as exc:
@@ -297,7 +303,7 @@ class KubeSource:
                 log.warning(
                     "%s %s failed (%s); retry %d in %.2fs",
                     res.kind,
-                    "list" if version is None else "watch",
+                    "watch" if listed else "list",
                     _describe(exc),
                     backoff.failures,
                     delay,
