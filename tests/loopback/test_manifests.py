@@ -154,6 +154,13 @@ async def test_broken_json_names_file_and_line(tmp_path: Path) -> None:
         await ManifestSource([path], ClusterState()).load_once()
 
 
+async def test_invalid_yaml_value_is_a_manifest_error(tmp_path: Path) -> None:
+    path = tmp_path / "date.yaml"
+    path.write_text("kind: Service\nmetadata: {name: web, created: 2024-13-45}\n")
+    with pytest.raises(ManifestError, match=f"{path}: month must be in 1..12"):
+        await ManifestSource([path], ClusterState()).load_once()
+
+
 async def test_missing_file_is_an_error_for_one_shot_loading(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="no such manifest"):
         await ManifestSource([tmp_path / "absent.yaml"], ClusterState()).load_once()

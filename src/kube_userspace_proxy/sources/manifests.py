@@ -54,6 +54,8 @@ def read_manifest(path: Path) -> list[tuple[Kind, dict[str, Any]]]:
         raise ManifestError(f"{where}: {exc.problem or exc.context}") from exc
     except yaml.YAMLError as exc:
         raise ManifestError(f"{path}: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # PyYAML's date constructor: `2024-13-45`
+        raise ManifestError(f"{path}: {exc}") from exc
     return list(_objects(documents))
 
 
