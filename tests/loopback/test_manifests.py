@@ -277,3 +277,17 @@ async def test_later_file_overrides_a_duplicate_object(
     (info,) = state.snapshot().services.values()
     assert info.port == 81
     assert any("overrides" in r.getMessage() for r in logged.records)
+
+
+async def test_later_file_still_wins_after_the_earlier_one_is_edited(
+    tmp_path: Path, running: Callable[[ManifestSource], None]
+) -> None:
+    write_yaml(tmp_path / "b.yaml", service("web", port=81))
+    state = ClusterState()
+    source = ManifestSource([tmp_path], state, poll_interval=POLL)
+    running(source)
+    await eventually(lambda: source.reloads == 1, "loaded")
+    write_yaml(tmp_path / "a.yaml", service("web", port=82), service("api"))
+    await eventually(lambda: "default/api:http" in names(state), "a.yaml loaded")
+    ports = {str(n): i.port for n, i in state.snapshot().services.items()}
+    assert ports["default/web:http"] == 81

@@ -101,6 +101,7 @@ class ManifestSource:
         self.state = state
         self.poll_interval = poll_interval
         self._loaded: dict[Path, _Loaded] = {}
+        self._order: list[Path] = []  # files in command-line / directory order: later ones win
         self._failed: dict[Path, Signature | None] = {}  # broken files, logged at this signature
         self._first = True
         self.polls = 0  # polls done; reloads: polls that found changed objects
@@ -203,6 +204,7 @@ class ManifestSource:
             self._loaded[path] = _Loaded(signature, objects)
             changed = True
         self._first = False
+        self._order = list(current)
         if changed:
             self.reloads += 1
         return changed
@@ -215,8 +217,9 @@ class ManifestSource:
 
     def _feed(self) -> None:
         by_kind: dict[Kind, dict[tuple[str, str], Mapping[str, Any]]] = {k: {} for k in KINDS}
-        for path, loaded in self._loaded.items():
-            for kind, obj in loaded.objects:
+        for path in self._order:
+            loaded = self._loaded.get(path)
+            for kind, obj in loaded.objects if loaded is not None else ():
                 meta = obj.get("metadata")
                 key = (
                     (str(meta.get("namespace")), str(meta.get("name")))
