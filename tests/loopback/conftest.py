@@ -15,7 +15,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import uvloop
@@ -229,8 +229,8 @@ class UdpEcho(asyncio.DatagramProtocol):
         self.peers: set[tuple[str, int]] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)
-        self.transport = transport
+        # uvloop's UDPTransport does not subclass asyncio.DatagramTransport.
+        self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         self.datagrams += 1

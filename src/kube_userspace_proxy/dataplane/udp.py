@@ -1,14 +1,136 @@
-"""UDP listener: one connected backend socket per client address, idle expiry (interface first)."""
+"""UDP listener: one connected backend socket per client address, expired when idle.
+
+The service port is a datagram transport; each client address gets a raw non-blocking
+socket connected to its endpoint, read with `loop.add_reader` (no task, no transport per
+session). Replies leave from the service port with `transport.sendto(data, client)`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+from typing import Any
 
+from kube_userspace_proxy import logs
 from kube_userspace_proxy.dataplane.stats import ConnStats, Picker
+
+log = logs.get(__name__)
+
+IDLE_TIMEOUT = 0.25
+MAX_SESSIONS = 4096
+# Room for a few 64 KiB datagrams per socket (the kernel caps it at net.core.[rw]mem_max).
+SOCKET_BUFFER = 4 * 1024 * 1024
+_MAX_DATAGRAM = 65536
+# Datagrams read per readiness callback before yielding to other sessions.
+_BURST = 16
+
+
+def _size_buffers(sock: socket.socket) -> None:
+    for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        except OSError as exc:  # pragma: no cover - only a hardened kernel refuses this
+            log.debug("cannot size UDP socket buffers: %s", exc)
+
+
+class _Session:
+    """One client address and its connected backend socket."""
+
+    __slots__ = ("backend", "client", "fd", "last", "lst", "sock", "timer")
+
+    def __init__(
+        self, lst: UdpListener, client: Any, backend: tuple[str, int], sock: socket.socket
+    ) -> None:
+        self.lst = lst
+        self.client = client
+        self.backend = backend
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.last = lst.loop.time()
+        self.timer = lst.loop.call_at(self.last + lst.idle_timeout, self._check_idle)
+        lst.loop.add_reader(self.fd, self._readable)
+
+    def send(self, data: bytes) -> None:
+        self.last = self.lst.loop.time()
+        stats = self.lst.stats
+        try:
+            self.sock.send(data)
+        except BlockingIOError:  # backend socket buffer full: UDP may drop
+            stats.udp_dropped += 1
+            return
+        except OSError as exc:  # e.g. ECONNREFUSED reported by an earlier ICMP error
+            stats.udp_dropped += 1
+            self._failed(exc)
+            return
+        stats.bytes_in += len(data)
+
+    def _readable(self) -> None:
+        lst = self.lst
+        transport = lst.transport
+        stats = lst.stats
+        recv = self.sock.recv
+        for _ in range(_BURST):
+            try:
+                data = recv(_MAX_DATAGRAM)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._failed(exc)
+                return
+            self.last = lst.loop.time()
+            if transport is None:
+                continue
+            transport.sendto(data, self.client)
+            stats.udp_datagrams_out += 1
+            stats.bytes_out += len(data)
+
+    def _failed(self, exc: OSError) -> None:
+        # The endpoint rejected us (ICMP port unreachable): let the next datagram pick anew.
+        log.debug("%s: session %s -> %s failed: %r", self.lst.name, self.client, self.backend, exc)
+        self.lst.stats.dial_failures += 1
+        self.lst.picker.dial_failed(self.backend)
+        self.close()
+
+    def _check_idle(self) -> None:
+        deadline = self.last + self.lst.idle_timeout
+        if self.lst.loop.time() >= deadline:
+            self.close()
+        else:
+            self.timer = self.lst.loop.call_at(deadline, self._check_idle)
+
+    def close(self) -> None:
+        lst = self.lst
+        if lst.sessions.pop(self.client, None) is None:
+            return
+        self.timer.cancel()
+        lst.loop.remove_reader(self.fd)
+        self.sock.close()
+        lst.stats.udp_sessions_active -= 1
+
+
+class _ServicePort(asyncio.DatagramProtocol):
+    def __init__(self, lst: UdpListener) -> None:
+        self.lst = lst
+        self.closed: asyncio.Future[None] = lst.loop.create_future()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.lst.received(data, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("%s: %r", self.lst.name, exc)
 
 
 class UdpListener:
-    """Serves one UDP proxy port; replies leave from the service port."""
+    """Serves one UDP proxy port; replies leave from the service port.
+
+    `sock` is a bound UDP socket (IPv4 or IPv6); the listener owns it. A datagram from a new
+    client address opens a session while there is room (`max_sessions`); sessions expire
+    `idle_timeout` seconds after their last datagram in either direction.
+    """
 
     def __init__(
         self,
@@ -17,30 +139,114 @@ class UdpListener:
         stats: ConnStats,
         *,
         name: str = "",
-        idle_timeout: float = 0.25,
-        max_sessions: int = 4096,
+        idle_timeout: float = IDLE_TIMEOUT,
+        max_sessions: int = MAX_SESSIONS,
     ) -> None:
-        raise NotImplementedError
+        if sock.type != socket.SOCK_DGRAM:
+            raise ValueError(f"UdpListener needs a UDP socket, got {sock!r}")
+        sock.setblocking(False)
+        _size_buffers(sock)
+        self._sock: socket.socket | None = sock
+        self._address = sock.getsockname()
+        self.picker = picker
+        self.stats = stats
+        self.name = name or f"udp:{self._address[1]}"
+        self.idle_timeout = idle_timeout
+        self.max_sessions = max_sessions
+        self.sessions: dict[Any, _Session] = {}
+        self.transport: asyncio.DatagramTransport | None = None
+        self._protocol: _ServicePort | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "UdpListener.start() was not called"
+        return self._loop
 
     async def start(self) -> None:
-        raise NotImplementedError
+        """Begin receiving on the service port."""
+        self._loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        protocol = self._protocol = _ServicePort(self)
+        self.transport, _ = await self._loop.create_datagram_endpoint(
+            lambda: protocol, sock=self._sock
+        )
 
     def set_picker(self, picker: Picker) -> None:
-        raise NotImplementedError
+        """Use another picker for new sessions."""
+        self.picker = picker
 
     def refresh(self) -> None:
-        raise NotImplementedError
+        """Nothing to switch for UDP: datagrams are dropped (and counted) without endpoints.
+
+        Existing sessions keep their endpoint until they expire, like kube-proxy's.
+        """
+
+    def received(self, data: bytes, client: Any) -> None:
+        """A datagram from `client` on the service port."""
+        stats = self.stats
+        stats.udp_datagrams_in += 1
+        session = self.sessions.get(client)
+        if session is None:
+            session = self._open(client)
+            if session is None:
+                stats.udp_dropped += 1
+                return
+        session.send(data)
+
+    def _open(self, client: Any) -> _Session | None:
+        if len(self.sessions) >= self.max_sessions:
+            return None
+        backend = self.picker.pick(client[0])
+        if backend is None:
+            self.stats.refused_no_endpoints += 1
+            return None
+        family = socket.AF_INET6 if ":" in backend[0] else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            _size_buffers(sock)
+            sock.connect(backend)
+        except OSError as exc:
+            sock.close()
+            self.stats.dial_failures += 1
+            self.picker.dial_failed(backend)
+            log.debug("%s: cannot open a socket to %s: %r", self.name, backend, exc)
+            return None
+        session = _Session(self, client, backend, sock)
+        self.sessions[client] = session
+        self.stats.udp_sessions_active += 1
+        self.stats.udp_sessions_total += 1
+        return session
 
     async def close(self) -> None:
-        raise NotImplementedError
+        """Stop receiving, end every session and release the port."""
+        for session in list(self.sessions.values()):
+            session.close()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+            assert self._protocol is not None
+            await self._protocol.closed  # the socket is closed: the port is free
+        elif self._sock is not None:
+            self._sock.close()
+        self._sock = None
 
-    async def drain(self, timeout: float) -> None:
-        raise NotImplementedError
+    async def drain(self, timeout: float) -> None:  # noqa: ASYNC109 - the contract's shape
+        """UDP has nothing in flight once closed: returns at once (the listener's shape)."""
+        for session in list(self.sessions.values()):
+            session.close()
+
+    @property
+    def address(self) -> tuple[Any, ...]:
+        """The bound address (host, port[, flowinfo, scope_id])."""
+        return tuple(self._address)
 
     @property
     def port(self) -> int:
-        raise NotImplementedError
+        return int(self._address[1])
 
     @property
     def active_connections(self) -> int:
-        raise NotImplementedError
+        """Open sessions (client addresses with a backend socket)."""
+        return len(self.sessions)
