@@ -1,0 +1,295 @@
+"""Portals: the iptables rules that send Service traffic to the proxy ports.
+
+`Portals.apply` takes the full desired state on every sync, diffs it against what it applied
+before and commits only the changes, one atomic commit per table. Each sync re-reads our chains
+(a fingerprint per chain) so that rules flushed or edited by someone else are put back. The
+first apply of a run replaces whatever an earlier run left. `cleanup_all` removes our chains
+and jumps from the legacy and the nft tables alike, and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
+
+from kube_userspace_proxy import logs
+from kube_userspace_proxy.errors import PortalsError
+from kube_userspace_proxy.model import ProxiedPort
+from kube_userspace_proxy.netutil import Family, ip_family
+from kube_userspace_proxy.portals import plan
+from kube_userspace_proxy.portals.plan import Backend, Delete, DropChain
+from kube_userspace_proxy.portals.restore import RestoreBackend, binary
+from kube_userspace_proxy.portals.rules import TABLES, Rule, Settings, explain, render
+
+__all__ = [
+    "Backend",
+    "Portals",
+    "PortalsError",
+    "Rule",
+    "cleanup_all",
+    "explain",
+    "host_mode",
+    "kernel_has_match",
+    "make_backend",
+]
+
+log = logs.get(__name__)
+
+
+def kernel_has_match(name: str, family: Family = 4) -> bool:
+    """True when the kernel has the xtables match `name` (registered, built in, or a module)."""
+    path = f"/proc/net/ip{'6' if family == 6 else ''}_tables_matches"
+    try:
+        with open(path, encoding="ascii") as matches:
+            if name in matches.read().split():
+                return True
+    except OSError:
+        pass
+    release = os.uname().release
+    for index in ("modules.builtin", "modules.dep"):
+        try:
+            with open(f"/lib/modules/{release}/{index}", encoding="utf-8") as modules:
+                if f"/xt_{name}.ko" in modules.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _rule_count(family: Family, mode: str) -> int:
+    exe = binary(family, mode, "save")
+    if exe is None:
+        return 0
+    try:
+        done = subprocess.run([exe], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in done.stdout.splitlines() if line.startswith("-A "))
+
+
+def host_mode() -> str:
+    """The iptables mode this host already uses: "legacy" if its tables hold more rules."""
+    legacy = sum(_rule_count(f, "legacy") for f in (4, 6))
+    nft = sum(_rule_count(f, "nft") for f in (4, 6))
+    if legacy > nft or binary(4, "nft", "restore") is None:
+        return "legacy"
+    return "nft"
+
+
+def make_backend(kind: str) -> Backend | None:
+    """`--iptables-backend`: auto (the host's mode), iptc, restore, or none (no rules)."""
+    if kind == "none":
+        return None
+    if kind == "restore":
+        return RestoreBackend()
+    if kind == "iptc":
+        return _iptc()
+    if kind != "auto":
+        raise PortalsError(f"unknown iptables backend {kind!r} (auto, iptc, restore, none)")
+    mode = host_mode()
+    if mode == "legacy":
+        try:
+            return _iptc()
+        except PortalsError as exc:
+            log.warning("%s; using iptables-legacy-restore instead", exc)
+    return RestoreBackend(mode)
+
+
+def _iptc() -> Backend:
+    try:
+        # Imported on demand: python-iptables loads libiptc and libxtables when imported.
+        from kube_userspace_proxy.portals.iptc import IptcBackend  # noqa: PLC0415
+    except (ImportError, OSError) as exc:
+        raise PortalsError(
+            f"python-iptables cannot load libiptc ({exc}); install the iptables package"
+        ) from exc
+    return IptcBackend()
+
+
+@dataclass(frozen=True, slots=True)
+class _Applied:
+    """What one table held of ours after our last commit."""
+
+    chains: dict[str, tuple[Rule, ...]]
+    fingerprints: dict[str, Hashable]
+
+
+class Portals:
+    """Keeps the kernel's rules equal to the desired ones for the service ports it is given."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        node_ips: Sequence[str] = (),
+        bind_address: str = "0.0.0.0",
+        nodeport_addresses: Sequence[str] = (),
+        physdev: bool | None = None,
+    ) -> None:
+        if physdev is None:
+            physdev = kernel_has_match("physdev")
+            if not physdev:
+                log.warning(
+                    "the kernel has no physdev match: external IP rules will also capture"
+                    " traffic from pods on a bridge"
+                )
+        self.backend = backend
+        self._settings = Settings(tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev)
+        self._applied: dict[tuple[Family, str], _Applied] = {}
+        self._lock = threading.Lock()
+        self._warned_no_node_ip: set[Family] = set()
+        self.commits = 0
+        """Commits made (a sync with nothing to change makes none)."""
+        self.repairs = 0
+        """Syncs that found our rules changed by someone else and put them back."""
+
+    def set_node_ips(self, node_ips: Sequence[str]) -> None:
+        """The node's IPs changed (the node's own traffic is DNATed to them)."""
+        if tuple(node_ips) != self._settings.node_ips:
+            self._settings = replace(self._settings, node_ips=tuple(node_ips))
+
+    def render(self, ports: Sequence[ProxiedPort]) -> list[Rule]:
+        """The complete desired rule set for `ports` (what `apply` makes the kernel hold)."""
+        families = {f for ip in self._settings.node_ips if (f := ip_family(ip))}
+        families |= {f for f, _ in self._applied}
+        return render(ports, self._settings, families=families or {4})
+
+    def apply(self, ports: Sequence[ProxiedPort]) -> None:
+        """Make the kernel hold exactly the rules for `ports`; blocking; PortalsError on failure."""
+        with self._lock:
+            rules = self.render(ports)
+            keys = {(r.family, r.table) for r in rules}
+            if not self._applied:
+                keys |= self._leftovers()
+            keys |= set(self._applied)
+            self._warn_missing_node_ips({r.family for r in rules})
+            errors: list[PortalsError] = []
+            for family, table in sorted(keys):
+                try:
+                    self._sync(family, table, plan.group(rules, family, table))
+                except PortalsError as exc:
+                    log.error("iptables %s table (IPv%d): %s", table, family, exc)
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+
+    def replace_all(self, ports: Sequence[ProxiedPort]) -> None:
+        """Forget what was applied and replace our chains wholesale."""
+        with self._lock:
+            self._applied.clear()
+        self.apply(ports)
+
+    def cleanup(self) -> int:
+        """Remove our chains and jumps everywhere (see `cleanup_all`)."""
+        with self._lock:
+            self._applied.clear()
+            return cleanup_all()
+
+    def _leftovers(self) -> set[tuple[Family, str]]:
+        """Tables of another family that an earlier run left our chains in."""
+        found: set[tuple[Family, str]] = set()
+        for family in (4, 6):
+            try:
+                tables = self.backend.tables(family)
+                found |= {
+                    (family, t)
+                    for t in TABLES
+                    if t in tables and self.backend.read(family, t).chains
+                }
+            except PortalsError:
+                continue
+        return found
+
+    def _warn_missing_node_ips(self, families: set[Family]) -> None:
+        for family in families - self._warned_no_node_ip:
+            if not self._settings.host_ip(family):
+                self._warned_no_node_ip.add(family)
+                log.warning(
+                    "no IPv%d node IP known: the node's own connections to Services are not"
+                    " captured (pass --node-ip)",
+                    family,
+                )
+
+    def _sync(self, family: Family, table: str, want: plan.TableRules) -> None:
+        backend = self.backend
+        with backend.locked(family):
+            view = backend.read(family, table)
+            applied = self._applied.pop((family, table), None)
+            if applied is None:
+                step = plan.replace_all(want, view)
+            else:
+                step = plan.update(want, view, applied.chains, applied.fingerprints)
+                if step.repaired:
+                    self.repairs += 1
+                    log.warning(
+                        "iptables %s (IPv%d) changed outside the proxy (%s); restoring",
+                        table,
+                        family,
+                        ", ".join(step.repaired),
+                    )
+            if step.ops:
+                try:
+                    backend.commit(family, table, step.ops)
+                except PortalsError as exc:
+                    if applied is None:
+                        raise
+                    log.warning("%s; replacing our chains in %s instead", exc, table)
+                    step = plan.replace_all(want, backend.read(family, table))
+                    backend.commit(family, table, step.ops)
+                self.commits += 1
+                view = backend.read(family, table)
+                log.debug(
+                    "iptables %s (IPv%d): %d change(s) committed", table, family, len(step.ops)
+                )
+            self._applied[(family, table)] = _Applied(step.chains, dict(view.chains))
+
+
+def cleanup_all() -> int:
+    """Remove our chains and the jumps into them from legacy and nft tables; count removals.
+
+    Leaves every other rule alone; a chain that someone else's rule still jumps to is flushed
+    but kept. Raises PortalsError after trying everything if any table could not be cleaned.
+    """
+    removed = 0
+    failures: list[str] = []
+    for mode in ("legacy", "nft"):
+        backend = _cleanup_backend(mode)
+        if backend is None:
+            continue
+        for family in (4, 6):
+            try:
+                tables = backend.tables(family)
+            except PortalsError as exc:
+                log.debug("skipping %s IPv%d: %s", mode, family, exc)
+                continue
+            for table in TABLES:
+                if table not in tables:
+                    continue
+                try:
+                    with backend.locked(family):
+                        ops = plan.cleanup(table, backend.read(family, table))
+                        if ops:
+                            backend.commit(family, table, ops)
+                except PortalsError as exc:
+                    failures.append(f"{mode} IPv{family} {table}: {exc}")
+                    continue
+                removed += sum(1 for op in ops if isinstance(op, (Delete, DropChain)))
+                if ops:
+                    log.info("removed our rules from the %s %s table (IPv%d)", mode, table, family)
+    if failures:
+        raise PortalsError("cleanup incomplete: " + "; ".join(failures))
+    return removed
+
+
+def _cleanup_backend(mode: str) -> Backend | None:
+    if binary(4, mode, "restore") is not None:
+        return RestoreBackend(mode)
+    if mode == "legacy":
+        try:
+            return _iptc()
+        except PortalsError:
+            return None
+    return None

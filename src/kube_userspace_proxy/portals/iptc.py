@@ -1,0 +1,386 @@
+"""python-iptables backend: libiptc on the legacy tables, one atomic commit per table.
+
+Building one rule through python-iptables costs about a millisecond (libxtables parses every
+option, then python-iptables prints each match back through a pipe), so 10,000 rules would take
+ten seconds. Instead, each rule *shape* (same matches and target; other addresses, ports and
+comment) is built by python-iptables once with sample values, the byte positions of its
+variable fields are found by building it again with other samples, and every rule of that
+shape is stamped out of the template in microseconds. A template is trusted only after a
+stamped copy equals a freshly built rule byte for byte; a shape that fails that check is built
+rule by rule instead.
+
+libiptc does not take the xtables lock, so `locked()` holds `/run/xtables.lock` (or
+`$XTABLES_LOCKFILE`) from the read of a table to its commit, as `iptables -w` would.
+
+IPv6 goes through `ip6tables-legacy-restore` (the same legacy tables): libxtables registers the
+NAT targets (REDIRECT, DNAT) of one family per process only, the first one loaded, so
+python-iptables cannot build IPv6 NAT rules once it has built IPv4 ones (fixed upstream in
+2025: "libxtables: store all requested target types").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes as ct
+import fcntl
+import hashlib
+import ipaddress
+import os
+import time
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import iptc
+
+from kube_userspace_proxy import logs
+from kube_userspace_proxy.errors import PortalsError
+from kube_userspace_proxy.netutil import Family, join_host_port
+from kube_userspace_proxy.portals.plan import (
+    Append,
+    Delete,
+    DropChain,
+    Found,
+    Op,
+    Prepend,
+    ResetChain,
+    TableView,
+)
+from kube_userspace_proxy.portals.restore import RestoreBackend, legacy_tables
+from kube_userspace_proxy.portals.rules import CHAINS, Rule
+
+log = logs.get(__name__)
+
+LOCK_FILE = "/run/xtables.lock"
+LOCK_WAIT_SECONDS = 5.0
+_NAME_LEN = 29  # XT_EXTENSION_MAXNAMELEN - 1, the name field of match and target headers
+_COMMENT_LEN = 255
+
+
+def _align(n: int) -> int:
+    return (n + 7) & ~7
+
+
+_ENTRY: dict[Family, Any] = {4: iptc.ip4tc.ipt_entry, 6: iptc.ip6tc.ip6t_entry}
+_HEADER = {f: _align(ct.sizeof(t)) for f, t in _ENTRY.items()}
+_DST = {
+    4: iptc.ip4tc.ipt_entry.ip.offset + iptc.ip4tc.ipt_ip.dst.offset,
+    6: iptc.ip6tc.ip6t_entry.ipv6.offset + iptc.ip6tc.ip6t_ip6.dst.offset,
+}
+_TARGET_OFFSET = {f: t.target_offset.offset for f, t in _ENTRY.items()}
+# comefrom (hook bits the kernel fills in) up to the end of the packet and byte counters
+_VOLATILE = {f: (t.comefrom.offset, t.counters.offset + t.counters.size) for f, t in _ENTRY.items()}
+
+
+def _tidy(buf: bytearray, family: Family) -> bytearray:
+    """Zero the bytes after the NUL of every match and target name (left uninitialised)."""
+    target = int.from_bytes(buf[_TARGET_OFFSET[family] : _TARGET_OFFSET[family] + 2], "little")
+    pos = _HEADER[family]
+    while pos <= target:
+        name = pos + 2
+        end = buf.index(0, name, name + _NAME_LEN)
+        buf[end : name + _NAME_LEN] = bytes(name + _NAME_LEN - end)
+        if pos == target:
+            break
+        pos += int.from_bytes(buf[pos : pos + 2], "little")
+    return buf
+
+
+def _packed(address: str) -> bytes:
+    return ipaddress.ip_address(address).packed
+
+
+# Sample values: every byte differs between the first two, so a diff finds whole fields.
+_SAMPLES: dict[Family, tuple[str, str, str]] = {
+    4: ("1.2.3.4", "5.6.7.8", "9.10.11.12"),
+    6: (
+        "102:304:506:708:90a:b0c:d0e:f10",
+        "1112:1314:1516:1718:191a:1b1c:1d1e:1f20",
+        "2122:2324:2526:2728:292a:2b2c:2d2e:2f30",
+    ),
+}
+_PORTS = (0x0102, 0x0304, 0x0506)
+_COMMENTS = ("a" * _COMMENT_LEN, "b" * _COMMENT_LEN, "c" * 7)
+
+
+def _shape(rule: Rule, i: int) -> Rule:
+    """`rule` with sample value set `i` in every variable field it has."""
+    ip = _SAMPLES[rule.family][i]
+    dst = ""
+    if rule.dst:
+        net = ipaddress.ip_network(rule.dst)
+        dst = str(ipaddress.ip_network(f"{ip}/{net.prefixlen}", strict=False))
+    return replace(
+        rule,
+        dst=dst,
+        comment=_COMMENTS[i],
+        dport=_PORTS[i] if rule.dport else 0,
+        to_port=_PORTS[i] if rule.to_port else 0,
+        to_addr=ip if rule.to_addr else "",
+        why="",
+    )
+
+
+def _spans(a: bytes, b: bytes) -> list[tuple[int, int]]:
+    """Runs of positions where `a` and `b` differ, as (start, end)."""
+    runs: list[tuple[int, int]] = []
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+    return runs
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """A rule shape's bytes and where its variable fields go."""
+
+    buf: bytes
+    dst: int | None
+    ports: tuple[tuple[int, str], ...]  # (offset, byte order) of each copy of the dport
+    to_ports: tuple[tuple[int, str], ...]
+    to_addrs: tuple[int, ...]
+    comment: int
+
+    def stamp(self, rule: Rule) -> bytearray:
+        buf = bytearray(self.buf)
+        if self.dst is not None:
+            addr = ipaddress.ip_network(rule.dst).network_address.packed
+            buf[self.dst : self.dst + len(addr)] = addr
+        for off, order in self.ports:
+            buf[off : off + 2] = rule.dport.to_bytes(2, order)  # type: ignore[arg-type]
+        for off, order in self.to_ports:
+            buf[off : off + 2] = rule.to_port.to_bytes(2, order)  # type: ignore[arg-type]
+        if self.to_addrs:
+            addr = _packed(rule.to_addr)
+            for off in self.to_addrs:
+                buf[off : off + len(addr)] = addr
+        text = rule.comment.encode()
+        buf[self.comment : self.comment + _COMMENT_LEN] = text.ljust(_COMMENT_LEN, b"\0")
+        return buf
+
+
+def _port_fields(base: bytes, other: bytes) -> tuple[tuple[int, str], ...] | None:
+    fields = []
+    for start, end in _spans(base, other):
+        for off in range(start, end, 2):
+            chunk = base[off : off + 2]
+            if chunk == _PORTS[0].to_bytes(2, "big"):
+                fields.append((off, "big"))
+            elif chunk == _PORTS[0].to_bytes(2, "little"):
+                fields.append((off, "little"))
+            else:
+                return None
+    return tuple(fields)
+
+
+class Encoder:
+    """Turns `Rule`s into libiptc entries: python-iptables builds, templates stamp."""
+
+    def __init__(self) -> None:
+        self._templates: dict[Rule, _Template | None] = {}
+        # python-iptables looks for a chain of the target's name in every table it can open,
+        # creating the legacy mangle/raw/security tables on the way; targets here never are
+        # chains (jumps are patched in below), so tell it there are no tables to look in.
+        for table_class in (iptc.Table, iptc.Table6):
+            table_class.existing_table_names.update(dict.fromkeys(table_class.ALL, False))
+
+    def build(self, rule: Rule) -> bytearray:
+        """The entry for `rule`, built by python-iptables (slow; the reference)."""
+        r = iptc.Rule6() if rule.family == 6 else iptc.Rule()
+        if rule.dst:
+            r.dst = rule.dst
+        if rule.protocol:
+            r.protocol = rule.protocol
+        r.create_match("comment").comment = rule.comment
+        if rule.dport:
+            r.create_match(rule.protocol).dport = str(rule.dport)
+        if rule.physdev_not_in:
+            r.create_match("physdev").physdev_is_in = "!"
+        if rule.dst_local:
+            r.create_match("addrtype").dst_type = "LOCAL"
+        if rule.state_new:
+            r.create_match("state").state = "NEW"
+        jump = rule.is_jump
+        target = r.create_target("ACCEPT" if jump else rule.target)
+        if rule.target == "REDIRECT":
+            target.to_ports = str(rule.to_port)
+        elif rule.target == "DNAT":
+            target.to_destination = join_host_port(rule.to_addr, rule.to_port)
+        r.final_check()
+        buf = bytearray(bytes(r.rule))
+        if jump:
+            # libiptc turns a standard target named after a chain into a jump to it.
+            off = int.from_bytes(buf[_TARGET_OFFSET[rule.family] :][:2], "little") + 2
+            buf[off : off + _NAME_LEN] = rule.target.encode().ljust(_NAME_LEN, b"\0")
+        return _tidy(buf, rule.family)
+
+    def encode(self, rule: Rule) -> bytearray:
+        if len(rule.comment.encode()) > _COMMENT_LEN:
+            raise PortalsError(f"comment longer than {_COMMENT_LEN} bytes: {rule.comment!r}")
+        key = _shape(rule, 0)
+        if key not in self._templates:
+            self._templates[key] = self._learn(key)
+        template = self._templates[key]
+        return template.stamp(rule) if template is not None else self.build(rule)
+
+    def _learn(self, shape: Rule) -> _Template | None:
+        base = bytes(self.build(shape))
+        second = _shape(shape, 1)
+
+        def diff(**changes: Any) -> bytes:
+            return bytes(self.build(replace(shape, **changes)))
+
+        ports = _port_fields(base, diff(dport=second.dport)) if shape.dport else ()
+        to_ports = _port_fields(base, diff(to_port=second.to_port)) if shape.to_port else ()
+        to_addrs: tuple[int, ...] = ()
+        if shape.to_addr:
+            size = len(_packed(shape.to_addr))
+            runs = _spans(base, diff(to_addr=second.to_addr))
+            to_addrs = tuple(off for start, end in runs for off in range(start, end, size))
+        comment = _spans(base, diff(comment=second.comment))
+        if ports is None or to_ports is None or len(comment) != 1:
+            log.warning("cannot template rules shaped like %s; building each", shape.line)
+            return None
+        template = _Template(
+            base,
+            _DST[shape.family] if shape.dst else None,
+            ports,
+            to_ports,
+            to_addrs,
+            comment[0][0],
+        )
+        check = _shape(shape, 2)
+        if template.stamp(check) != self.build(check):
+            log.warning("template for %s differs from python-iptables; building each", shape.line)
+            return None
+        return template
+
+
+def _entries(table: Any, chain: str) -> Iterator[Any]:
+    entry = table.first_rule(chain)
+    while entry:
+        yield entry
+        entry = table.next_rule(entry)
+
+
+class IptcBackend:
+    """Reads and writes the legacy tables through libiptc (python-iptables)."""
+
+    mode = "legacy"
+    name = "iptc (legacy)"
+
+    def __init__(self, lock_file: str | None = None) -> None:
+        self._lock_file = lock_file or os.environ.get("XTABLES_LOCKFILE") or LOCK_FILE
+        self._encoder = Encoder()
+        self._ipv6: RestoreBackend | None = None
+
+    def _v6(self) -> RestoreBackend:
+        if self._ipv6 is None:
+            self._ipv6 = RestoreBackend("legacy")
+        return self._ipv6
+
+    def locked(self, family: Family) -> contextlib.AbstractContextManager[None]:
+        return self._v6().locked(6) if family == 6 else self._flock()
+
+    @contextlib.contextmanager
+    def _flock(self) -> Iterator[None]:
+        fd = os.open(self._lock_file, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            deadline = time.monotonic() + LOCK_WAIT_SECONDS
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise PortalsError(
+                            f"another iptables user holds {self._lock_file} for over"
+                            f" {LOCK_WAIT_SECONDS:.0f}s"
+                        ) from None
+                    time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _table(self, family: Family, table: str) -> Any:
+        try:
+            return iptc.Table(table, autocommit=False)
+        except iptc.IPTCError as exc:
+            raise PortalsError(f"cannot open the {table} table (IPv{family}): {exc}") from exc
+
+    def tables(self, family: Family) -> frozenset[str]:
+        return legacy_tables(family)
+
+    def read(self, family: Family, table: str) -> TableView:
+        if family == 6:
+            return self._v6().read(family, table)
+        t = self._table(family, table)
+        try:
+            t.refresh()
+            start, end = _VOLATILE[family]
+            ours = CHAINS[table]
+            chains: dict[str, Hashable] = {}
+            jumps: list[Found] = []
+            referenced: set[str] = set()
+            for chain in t.chains:
+                name = chain.name
+                if name in ours:
+                    digest = hashlib.blake2b(digest_size=16)
+                    for entry in _entries(t, name):
+                        raw = bytearray(ct.string_at(ct.addressof(entry), entry.next_offset))
+                        raw[start:end] = bytes(end - start)  # hook bits and counters
+                        # Name padding holds whatever the last writer's buffers held.
+                        digest.update(_tidy(raw, family))
+                    chains[name] = digest.digest()
+                    continue
+                builtin = t.builtin_chain(name)
+                for index, entry in enumerate(_entries(t, name)):
+                    target = (t.get_target(entry) or b"").decode()
+                    if target in ours:
+                        if builtin:
+                            jumps.append(Found(name, target, index))
+                        else:
+                            referenced.add(target)
+        except iptc.IPTCError as exc:
+            raise PortalsError(f"cannot read the {table} table (IPv{family}): {exc}") from exc
+        return TableView(chains, tuple(jumps), frozenset(referenced))
+
+    def commit(self, family: Family, table: str, ops: Sequence[Op]) -> None:
+        """Apply `ops` to the table as last read, then commit it in one replace."""
+        if family == 6:
+            return self._v6().commit(family, table, ops)
+        t = self._table(family, table)
+        try:
+            for op in ops:
+                self._do(t, op)
+            t.commit()
+        except iptc.IPTCError as exc:
+            raise PortalsError(f"cannot update the {table} table (IPv{family}): {exc}") from exc
+        finally:
+            t.refresh()  # drop anything uncommitted
+
+    def _do(self, t: Any, op: Op) -> None:
+        if isinstance(op, ResetChain):
+            if t.is_chain(op.chain):
+                t.flush_entries(op.chain)
+            else:
+                t.create_chain(op.chain)
+        elif isinstance(op, DropChain):
+            if t.is_chain(op.chain):
+                t.flush_entries(op.chain)
+                t.delete_chain(op.chain)
+        elif isinstance(op, (Append, Prepend)):
+            buf = self._encoder.encode(op.rule)
+            entry = (ct.c_ubyte * len(buf)).from_buffer(buf)
+            if isinstance(op, Append):
+                t.append_entry(op.rule.chain, entry)
+            else:
+                t.insert_entry(op.rule.chain, entry, 0)
+        elif (
+            isinstance(op, Delete)
+            and t._iptc.iptc_delete_num_entry(op.chain.encode(), op.index, t._handle) != 1
+        ):
+            raise iptc.IPTCError(f"can't delete rule {op.index} of {op.chain}: {t.strerror()}")

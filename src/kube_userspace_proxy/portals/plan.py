@@ -1,0 +1,235 @@
+"""From desired rules and what a table holds to the operations that make them equal.
+
+The backends read a table into a `TableView` (a fingerprint of each of our chains, and every
+rule of a built-in chain that jumps into one of them) and execute a list of `Op`s as one atomic
+commit. The diff lives here, once, for both backends: a chain whose fingerprint is the one
+recorded after our last commit still holds exactly what we believe, so only the difference is
+applied; any other chain (flushed, edited, deleted by hand) is rewritten whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kube_userspace_proxy.netutil import Family
+from kube_userspace_proxy.portals.rules import CHAINS, Rule
+
+REWRITE_MIN = 256
+"""A chain losing more than this many rules (and half of them) is rewritten, not edited."""
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A rule in a built-in chain whose target is one of our chains, as the kernel holds it."""
+
+    chain: str
+    target: str
+    index: int
+    """Position in its chain, from 0."""
+    spec: str = ""
+    """Its iptables-save text without `-A CHAIN`, when the backend reads text."""
+
+
+@dataclass(frozen=True, slots=True)
+class TableView:
+    """What one table holds of ours: a fingerprint per existing chain, and the jumps into them."""
+
+    chains: Mapping[str, Hashable] = field(default_factory=dict)
+    jumps: tuple[Found, ...] = ()
+    referenced: frozenset[str] = frozenset()
+    """Our chains that rules of someone else's chains jump to (they cannot be deleted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResetChain:
+    """Create the chain, or flush it if it exists."""
+
+    chain: str
+
+
+@dataclass(frozen=True, slots=True)
+class DropChain:
+    """Flush and delete the chain (cleanup)."""
+
+    chain: str
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    """Append the rule to its chain."""
+
+    rule: Rule
+
+
+@dataclass(frozen=True, slots=True)
+class Prepend:
+    """Insert the rule at the head of its chain."""
+
+    rule: Rule
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    """Delete one rule: by position (libiptc) or by its text (iptables-restore)."""
+
+    chain: str
+    index: int
+    spec: str
+
+
+Op = ResetChain | DropChain | Append | Prepend | Delete
+
+
+class Backend(Protocol):
+    """Reads and writes the kernel's tables for one iptables mode (legacy or nft)."""
+
+    name: str
+    mode: str
+
+    def locked(self, family: Family) -> AbstractContextManager[None]:
+        """Hold the xtables lock from a read to its commit, where the backend needs it."""
+        ...
+
+    def tables(self, family: Family) -> frozenset[str]:
+        """The tables that exist now (reading them must not create them)."""
+        ...
+
+    def read(self, family: Family, table: str) -> TableView: ...
+
+    def commit(self, family: Family, table: str, ops: Sequence[Op]) -> None:
+        """Apply `ops` in order as one atomic change of `table`; PortalsError on failure."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TableRules:
+    """The desired content of one table: our chains' rules and the jumps into them."""
+
+    family: Family
+    table: str
+    chains: Mapping[str, tuple[Rule, ...]]
+    jumps: tuple[Rule, ...]
+
+
+def group(rules: Sequence[Rule], family: Family, table: str) -> TableRules:
+    """The rules of one family and table from a rendered list, every chain of ours present."""
+    chains: dict[str, list[Rule]] = {c: [] for c in CHAINS[table]}
+    jumps: list[Rule] = []
+    for rule in rules:
+        if rule.family != family or rule.table != table:
+            continue
+        if rule.is_jump:
+            jumps.append(rule)
+        else:
+            chains[rule.chain].append(rule)
+    return TableRules(family, table, {c: tuple(r) for c, r in chains.items()}, tuple(jumps))
+
+
+@dataclass(slots=True)
+class Plan:
+    """Operations for one commit and what our chains hold once it succeeds."""
+
+    ops: list[Op]
+    chains: dict[str, tuple[Rule, ...]]
+    repaired: list[str] = field(default_factory=list)
+    """Chains or jumps that differed from what was applied (changed by someone else)."""
+
+
+def _jump_ops(want: TableRules, view: TableView, *, force: bool) -> tuple[list[Op], list[Op]]:
+    """Deletions and additions that leave exactly one of each wanted jump, in order."""
+    found: dict[tuple[str, str], list[Found]] = {}
+    for f in view.jumps:
+        found.setdefault((f.chain, f.target), []).append(f)
+    wanted = {(j.chain, j.target) for j in want.jumps}
+    broken = {key for key, fs in found.items() if key not in wanted or len(fs) != 1}
+    broken |= {key for key in wanted if key not in found}
+    if force:
+        broken |= set(found) | wanted
+    # The portal jump must come before the NodePort jump of the same built-in chain.
+    for j in want.jumps:
+        mine = [f for f in view.jumps if f.chain == j.chain]
+        if (
+            not j.prepend
+            and any(f.target == j.target for f in mine)
+            and mine[-1].target != j.target
+        ):
+            broken |= {(j.chain, f.target) for f in mine}
+    deletes: list[Op] = [
+        Delete(f.chain, f.index, f.spec) for key in broken for f in found.get(key, ())
+    ]
+    adds: list[Op] = []
+    for j in want.jumps:
+        if (j.chain, j.target) in broken:
+            adds.append(Prepend(j) if j.prepend else Append(j))
+    return deletes, adds
+
+
+def _ordered(deletes: list[Op], resets: list[Op], adds: list[Op], jumps: list[Op]) -> list[Op]:
+    # Deleting by position stays correct only from the highest position down, per chain.
+    deletes.sort(key=lambda op: (op.chain, -op.index) if isinstance(op, Delete) else ("", 0))
+    return [*deletes, *resets, *adds, *jumps]
+
+
+def replace_all(want: TableRules, view: TableView) -> Plan:
+    """Replace whatever the table holds of ours (the first sync of a run)."""
+    deletes, jumps = _jump_ops(want, view, force=True)
+    resets: list[Op] = [ResetChain(c) for c in want.chains]
+    adds: list[Op] = [Append(r) for rules in want.chains.values() for r in rules]
+    return Plan(_ordered(deletes, resets, adds, jumps), dict(want.chains))
+
+
+def update(
+    want: TableRules,
+    view: TableView,
+    applied: Mapping[str, tuple[Rule, ...]],
+    fingerprints: Mapping[str, Hashable],
+) -> Plan:
+    """Only what differs from `applied`; chains that no longer match their fingerprint in full."""
+    deletes, jumps = _jump_ops(want, view, force=False)
+    repaired = [
+        f"{op.rule.chain} -> {op.rule.target}" for op in jumps if isinstance(op, (Append, Prepend))
+    ]
+    resets: list[Op] = []
+    adds: list[Op] = []
+    chains: dict[str, tuple[Rule, ...]] = {}
+    for chain, rules in want.chains.items():
+        have = applied.get(chain)
+        intact = chain in view.chains and view.chains[chain] == fingerprints.get(chain)
+        if have is None or not intact:
+            repaired.append(chain)
+        if have is not None and intact:
+            wanted = set(rules)
+            gone = [i for i, r in enumerate(have) if r not in wanted]
+            if not (len(gone) > REWRITE_MIN and 2 * len(gone) > len(have)):
+                kept = set(have)
+                new = [r for r in rules if r not in kept]
+                deletes += [Delete(chain, i, have[i].spec) for i in gone]
+                adds += [Append(r) for r in new]
+                chains[chain] = tuple(r for r in have if r in wanted) + tuple(new)
+                continue
+        resets.append(ResetChain(chain))
+        adds += [Append(r) for r in rules]
+        chains[chain] = rules
+    return Plan(_ordered(deletes, resets, adds, jumps), chains, repaired)
+
+
+def cleanup(table: str, view: TableView) -> list[Op]:
+    """Remove every jump into our chains from built-in chains, then the chains themselves."""
+    deletes: list[Op] = [Delete(f.chain, f.index, f.spec) for f in view.jumps]
+    drops: list[Op] = []
+    for chain in CHAINS[table]:
+        if chain in view.chains:
+            drops.append(ResetChain(chain) if chain in view.referenced else DropChain(chain))
+    return _ordered(deletes, [], [], drops)
+
+
+def ops_summary(ops: Sequence[Op]) -> Iterator[str]:
+    """Short text of each op, for debug logs."""
+    for op in ops:
+        if isinstance(op, (Append, Prepend)):
+            yield f"{type(op).__name__.lower()} {op.rule.line}"
+        else:
+            yield repr(op)

@@ -1,0 +1,181 @@
+"""iptables-restore backend: `iptables-save` to read, `iptables-restore --noflush` to write.
+
+Works with either iptables mode (nft or legacy) by running that mode's binaries. Each commit
+is one `iptables-restore` run, which the kernel applies atomically per table; `-w` makes it
+wait for the xtables lock (legacy mode; nft does not need it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import shutil
+import subprocess
+from collections.abc import Hashable, Iterator, Sequence
+
+from kube_userspace_proxy import logs
+from kube_userspace_proxy.errors import PortalsError
+from kube_userspace_proxy.netutil import Family
+from kube_userspace_proxy.portals.plan import (
+    Append,
+    Delete,
+    DropChain,
+    Found,
+    Op,
+    Prepend,
+    ResetChain,
+    TableView,
+)
+from kube_userspace_proxy.portals.rules import CHAINS
+
+log = logs.get(__name__)
+
+LOCK_WAIT_SECONDS = 5
+TIMEOUT_SECONDS = 120.0
+_TARGET = re.compile(r"(?:^| )-[jg] (\S+)")
+
+
+def binary(family: Family, mode: str | None, tool: str) -> str | None:
+    """Path of e.g. `ip6tables-nft-restore`; `mode` None means the system default."""
+    base = "ip6tables" if family == 6 else "iptables"
+    names = [f"{base}-{mode}-{tool}"] if mode else [f"{base}-{tool}"]
+    for name in names:
+        found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
+        if found:
+            return found
+    return None
+
+
+def legacy_tables(family: Family) -> frozenset[str]:
+    """The legacy tables that exist in this network namespace (listing creates none)."""
+    path = f"/proc/net/ip{'6' if family == 6 else ''}_tables_names"
+    try:
+        with open(path, encoding="ascii") as names:
+            return frozenset(names.read().split())
+    except OSError:
+        return frozenset()
+
+
+def default_mode() -> str:
+    """The mode of the system's plain `iptables` command: "nft" or "legacy"."""
+    exe = shutil.which("iptables") or shutil.which("iptables", path="/usr/sbin:/sbin")
+    if exe is None:
+        raise PortalsError("iptables is not installed (install the iptables package)")
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False).stdout
+    return "nft" if "nf_tables" in out else "legacy"
+
+
+def parse_save(text: str, table: str) -> tuple[dict[str, list[str]], set[str]]:
+    """Rules (specs without `-A CHAIN`) per chain of `table`, and its built-in chains."""
+    rules: dict[str, list[str]] = {}
+    builtin: set[str] = set()
+    current = ""
+    for line in text.splitlines():
+        if line.startswith("*"):
+            current = line[1:].strip()
+        elif current != table:
+            continue
+        elif line.startswith(":"):
+            name, policy = [*line[1:].split(), "-"][:2]
+            rules.setdefault(name, [])
+            if policy != "-":
+                builtin.add(name)
+        elif line.startswith("-A "):
+            chain, _, spec = line[3:].partition(" ")
+            rules.setdefault(chain, []).append(spec)
+    return rules, builtin
+
+
+def view_of(text: str, table: str) -> TableView:
+    """Our chains' fingerprints (their exact rule text) and the jumps into them."""
+    rules, builtin = parse_save(text, table)
+    ours = CHAINS[table]
+    chains: dict[str, Hashable] = {c: tuple(rules[c]) for c in ours if c in rules}
+    jumps: list[Found] = []
+    referenced: set[str] = set()
+    for chain, specs in rules.items():
+        if chain in ours:
+            continue
+        for index, spec in enumerate(specs):
+            targets = _TARGET.findall(spec)
+            if targets and targets[-1] in ours:
+                if chain in builtin:
+                    jumps.append(Found(chain, targets[-1], index, spec))
+                else:
+                    referenced.add(targets[-1])
+    return TableView(chains, tuple(jumps), frozenset(referenced))
+
+
+def restore_text(table: str, ops: Sequence[Op]) -> str:
+    """`iptables-restore --noflush` input doing `ops` in one transaction."""
+    head = [f"*{table}"]
+    body: list[str] = []
+    for op in ops:
+        if isinstance(op, ResetChain):
+            head.append(f":{op.chain} - [0:0]")  # declares, or flushes when it exists
+        elif isinstance(op, DropChain):
+            body += [f"-F {op.chain}", f"-X {op.chain}"]
+        elif isinstance(op, Delete):
+            body.append(f"-D {op.chain} {op.spec}")
+        elif isinstance(op, Append):
+            body.append(op.rule.line)
+        elif isinstance(op, Prepend):
+            body.append(f"-I {op.rule.chain} 1 {op.rule.spec}")
+    return "\n".join([*head, *body, "COMMIT", ""])
+
+
+class RestoreBackend:
+    """Reads with `iptables-save -t TABLE`, writes with `iptables-restore --noflush -w`."""
+
+    def __init__(self, mode: str | None = None) -> None:
+        self.mode = mode or default_mode()
+        self.name = f"restore ({self.mode})"
+        if binary(4, self.mode, "restore") is None:
+            raise PortalsError(f"iptables-{self.mode}-restore is not installed")
+
+    def locked(self, family: Family) -> contextlib.AbstractContextManager[None]:
+        # iptables-restore takes the lock itself (-w); holding it here would deadlock.
+        return contextlib.nullcontext()
+
+    def _run(self, family: Family, tool: str, args: list[str], stdin: str | None = None) -> str:
+        exe = binary(family, self.mode, tool)
+        if exe is None:
+            raise PortalsError(f"{'ip6' if family == 6 else 'ip'}tables-{self.mode}-{tool} missing")
+        try:
+            done = subprocess.run(
+                [exe, *args],
+                input=stdin,
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_SECONDS,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise PortalsError(f"{exe} failed: {exc}") from exc
+        if done.returncode != 0:
+            raise PortalsError(f"{exe} {' '.join(args)} failed: {done.stderr.strip()}")
+        return done.stdout
+
+    def tables(self, family: Family) -> frozenset[str]:
+        if self.mode == "legacy":
+            return legacy_tables(family)
+        out = self._run(family, "save", [])
+        return frozenset(line[1:].strip() for line in out.splitlines() if line.startswith("*"))
+
+    def read(self, family: Family, table: str) -> TableView:
+        # Legacy `save -t` would create a missing table; nft's prints an empty one.
+        if self.mode == "legacy" and table not in legacy_tables(family):
+            return TableView()
+        return view_of(self._run(family, "save", ["-t", table]), table)
+
+    def commit(self, family: Family, table: str, ops: Sequence[Op]) -> None:
+        text = restore_text(table, ops)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s restore input:\n%s", self.name, text)
+        self._run(family, "restore", ["--noflush", "-w", str(LOCK_WAIT_SECONDS)], text)
+
+
+def lines(text: str) -> Iterator[str]:
+    """The rule lines of iptables-save output (for tests and the benchmark)."""
+    return (line for line in text.splitlines() if line.startswith("-A "))

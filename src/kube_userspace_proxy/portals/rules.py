@@ -1,0 +1,358 @@
+"""The desired iptables rules of the userspace mode, rendered as `iptables-save` prints them.
+
+Five chains, laid out as kube-proxy's userspace mode had them:
+
+- nat `KUBE-PORTALS-CONTAINER` (jump prepended to PREROUTING): packets arriving from pods or the
+  network for a ClusterIP, externalIP or LoadBalancer ingress IP. Target: `REDIRECT --to-ports
+  P`. REDIRECT rewrites the destination to the primary address of the interface the packet came
+  in on, so the reply leaves from the address the client's conntrack entry expects; that
+  matters for UDP, which has no connection to fix things up. (DNAT to the node IP would send
+  replies out from a different address than the bridge the request came from.) When
+  `--bind-address` names one address, the proxy listens only there, so DNAT to it instead.
+- nat `KUBE-PORTALS-HOST` (jump prepended to OUTPUT): packets the node sends itself. Locally
+  generated packets cannot be REDIRECTed usefully: REDIRECT sends them to 127.0.0.1, and the
+  reply then comes from the node address, which clients (resolvers in particular) reject. So
+  they are DNATed to `NODEIP:P` (or to the bind address when one is set).
+- nat `KUBE-NODEPORT-CONTAINER` / `KUBE-NODEPORT-HOST` (jumps appended to PREROUTING / OUTPUT,
+  only for `-m addrtype --dst-type LOCAL`): NodePorts on any local address (or only the local
+  addresses inside `--nodeport-addresses`). They come after the portal chains because they
+  match broadly (any local address, one port); a ClusterIP must never be captured by them.
+- filter `KUBE-NODEPORT-NON-LOCAL` (jump prepended to INPUT): ACCEPT new connections to the
+  proxy port behind a NodePort, so a default-deny INPUT policy does not drop NodePort traffic.
+
+Every rule carries `-m comment --comment ns/name:port`. External IPs get three rules, as the Go
+proxier had them: from outside the node's bridges (`-m physdev ! --physdev-is-in`), from pods
+when the IP is one of the node's own addresses (`-m addrtype --dst-type LOCAL`), and from the
+node itself only when the IP is local. Without the physdev match in the kernel the first rule
+drops that condition (pods then reach external IPs through the proxy too, as with kube-proxy's
+iptables mode). LoadBalancer ingress IPs are treated like ClusterIPs. Cluster traffic goes to
+`ProxiedPort.cluster_port`; NodePort, externalIP and LoadBalancer traffic to `external_port`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from kube_userspace_proxy.model import ProxiedPort
+from kube_userspace_proxy.netutil import Family, ip_family, join_host_port
+
+CONTAINER_PORTALS = "KUBE-PORTALS-CONTAINER"
+HOST_PORTALS = "KUBE-PORTALS-HOST"
+CONTAINER_NODEPORTS = "KUBE-NODEPORT-CONTAINER"
+HOST_NODEPORTS = "KUBE-NODEPORT-HOST"
+NON_LOCAL_NODEPORTS = "KUBE-NODEPORT-NON-LOCAL"
+
+NAT = "nat"
+FILTER = "filter"
+TABLES = (NAT, FILTER)
+CHAINS: dict[str, tuple[str, ...]] = {
+    NAT: (CONTAINER_PORTALS, HOST_PORTALS, CONTAINER_NODEPORTS, HOST_NODEPORTS),
+    FILTER: (NON_LOCAL_NODEPORTS,),
+}
+"""Our chains per table, in the order they are declared."""
+OUR_CHAINS = frozenset(c for chains in CHAINS.values() for c in chains)
+
+_ANY = {"0.0.0.0", "::", ""}
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One iptables rule; `line` is exactly what `iptables-save` prints for it.
+
+    Built-in chain jumps (`chain` PREROUTING/OUTPUT/INPUT, `target` one of ours) set `prepend`
+    when they must come before anything else in that chain.
+    """
+
+    family: Family
+    table: str
+    chain: str
+    target: str
+    comment: str
+    protocol: str = ""
+    dst: str = ""
+    dport: int = 0
+    physdev_not_in: bool = False
+    dst_local: bool = False
+    state_new: bool = False
+    to_port: int = 0
+    to_addr: str = ""
+    prepend: bool = False
+    why: str = field(default="", compare=False)
+
+    @property
+    def spec(self) -> str:
+        """The rule without `-A CHAIN`, in iptables-save's order of fields."""
+        parts: list[str] = []
+        if self.dst:
+            parts += ["-d", self.dst]
+        if self.protocol:
+            parts += ["-p", self.protocol]
+        parts += ["-m", "comment", "--comment", f'"{self.comment}"']
+        if self.dport:
+            parts += ["-m", self.protocol, "--dport", str(self.dport)]
+        if self.physdev_not_in:
+            parts += ["-m", "physdev", "!", "--physdev-is-in"]
+        if self.dst_local:
+            parts += ["-m", "addrtype", "--dst-type", "LOCAL"]
+        if self.state_new:
+            parts += ["-m", "state", "--state", "NEW"]
+        parts += ["-j", self.target]
+        if self.target == "REDIRECT":
+            parts += ["--to-ports", str(self.to_port)]
+        elif self.target == "DNAT":
+            parts += ["--to-destination", join_host_port(self.to_addr, self.to_port)]
+        return " ".join(parts)
+
+    @property
+    def line(self) -> str:
+        """The rule as `iptables-save` prints it: `-A CHAIN spec`."""
+        return f"-A {self.chain} {self.spec}"
+
+    @property
+    def is_jump(self) -> bool:
+        """True for the built-in chain rules that send packets into our chains."""
+        return self.target in OUR_CHAINS
+
+
+def jumps(family: Family) -> list[Rule]:
+    """The rules in built-in chains that lead into our chains (the same for every sync)."""
+    portals = "handle ClusterIPs; NOTE: this must be before the NodePort rules"
+    nodeports = "handle service NodePorts; NOTE: this must be the last rule in the chain"
+    nonlocal_ = "Ensure that non-local NodePort traffic can flow"
+    return [
+        Rule(family, NAT, "PREROUTING", CONTAINER_PORTALS, portals, prepend=True,
+             why="first thing for every packet arriving at the node (from pods or the network):"
+             " check it against the Service portals"),
+        Rule(family, NAT, "OUTPUT", HOST_PORTALS, portals, prepend=True,
+             why="first thing for every packet this node sends: check it against the Service"
+             " portals"),
+        Rule(family, NAT, "PREROUTING", CONTAINER_NODEPORTS, nodeports, dst_local=True,
+             why="after everything else, arriving packets for one of the node's own addresses"
+             " are checked against the NodePorts"),
+        Rule(family, NAT, "OUTPUT", HOST_NODEPORTS, nodeports, dst_local=True,
+             why="after everything else, packets the node sends to its own addresses are"
+             " checked against the NodePorts"),
+        Rule(family, FILTER, "INPUT", NON_LOCAL_NODEPORTS, nonlocal_, prepend=True,
+             why="before any firewall rule of the node, let NodePort connections reach the"
+             " proxy ports"),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the rendering needs to know about the node besides the service ports."""
+
+    node_ips: tuple[str, ...] = ()
+    bind_address: str = "0.0.0.0"
+    nodeport_addresses: tuple[str, ...] = ()
+    physdev: bool = True
+
+    def serves(self, family: Family) -> bool:
+        """False when the proxy listens on one address of the other family only."""
+        return self.bind_address in _ANY or ip_family(self.bind_address) == family
+
+    def host_ip(self, family: Family) -> str:
+        """Where the node's own packets are DNATed: the bind address, else a node IP."""
+        if self.bind_address not in _ANY:
+            return self.bind_address
+        return next((ip for ip in self.node_ips if ip_family(ip) == family), "")
+
+    def nodeport_dsts(self, family: Family) -> list[str]:
+        """`-d` values for NodePort rules: [""] (any local address) or the matching CIDRs."""
+        if not self.nodeport_addresses:
+            return [""]
+        dsts: list[str] = []
+        for text in self.nodeport_addresses:
+            net = ipaddress.ip_network(text, strict=False)
+            if net.version == family:
+                dsts.append("" if net.prefixlen == 0 else str(net))
+        return sorted(set(dsts), key=dsts.index)
+
+
+class _Renderer:
+    """Accumulates the rules of one service port after another, skipping duplicates."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.s = settings
+        self.rules: list[Rule] = []
+        self._seen: set[Rule] = set()
+
+    def add(self, rule: Rule) -> None:
+        if rule not in self._seen:
+            self._seen.add(rule)
+            self.rules.append(rule)
+
+    def container(self, match: Rule, chain: str, to_port: int, why: str) -> None:
+        """A rule for arriving packets: REDIRECT, or DNAT to a specific bind address."""
+        bind = self.s.bind_address
+        if bind in _ANY:
+            self.add(replace(match, chain=chain, target="REDIRECT", to_port=to_port, why=why))
+        else:
+            self.add(
+                replace(match, chain=chain, target="DNAT", to_port=to_port, to_addr=bind, why=why)
+            )
+
+    def host(self, match: Rule, chain: str, to_port: int, why: str) -> None:
+        """A rule for the node's own packets: DNAT to the node IP (or the bind address)."""
+        to_addr = self.s.host_ip(match.family)
+        if to_addr:
+            self.add(
+                replace(
+                    match,
+                    chain=chain,
+                    target="DNAT",
+                    to_port=to_port,
+                    to_addr=to_addr,
+                    why=f"{why} via {to_addr}",
+                )
+            )
+
+    def match(self, ip: str, pp: ProxiedPort) -> Rule | None:
+        """The match part of a portal rule for `ip`, or None if this proxy cannot serve it."""
+        family = ip_family(ip)
+        if family is None or not self.s.serves(family):
+            return None
+        info = pp.info
+        dst = f"{ipaddress.ip_address(ip)}/{32 if family == 4 else 128}"
+        return Rule(
+            family,
+            NAT,
+            "",
+            "",
+            str(info.name),
+            protocol=info.protocol.lower(),
+            dst=dst,
+            dport=info.port,
+        )
+
+    def port(self, pp: ProxiedPort) -> None:
+        info, name, cport, ext = pp.info, str(pp.info.name), pp.cluster_port, pp.external_port
+        if cport == 0:
+            return
+        proto = info.protocol.upper()
+        families: set[Family] = set()
+        for ip in info.cluster_ips:
+            if (m := self.match(ip, pp)) is None:
+                continue
+            families.add(m.family)
+            at = f"{proto} to ClusterIP {join_host_port(ip, info.port)} ({name})"
+            self.container(m, CONTAINER_PORTALS, cport, f"from pods: {at} -> proxy port {cport}")
+            self.host(m, HOST_PORTALS, cport, f"from this node: {at} -> proxy port {cport}")
+        if ext == 0:
+            return
+        for ip in info.load_balancer_ips:
+            if (m := self.match(ip, pp)) is None or m.family not in families:
+                continue
+            at = f"{proto} to LoadBalancer IP {join_host_port(ip, info.port)} ({name})"
+            self.container(
+                m, CONTAINER_PORTALS, ext, f"from pods and the network: {at} -> proxy port {ext}"
+            )
+            self.host(m, HOST_PORTALS, ext, f"from this node: {at} -> proxy port {ext}")
+        for ip in info.external_ips:
+            if (m := self.match(ip, pp)) is None or m.family not in families:
+                continue
+            at = f"{proto} to external IP {join_host_port(ip, info.port)} ({name})"
+            if self.s.physdev:
+                self.container(
+                    replace(m, physdev_not_in=True),
+                    CONTAINER_PORTALS,
+                    ext,
+                    f"from the network (not via a bridge port): {at} -> proxy port {ext}",
+                )
+            else:
+                self.container(
+                    m,
+                    CONTAINER_PORTALS,
+                    ext,
+                    f"from pods and the network: {at} -> proxy port {ext}",
+                )
+            local = replace(m, dst_local=True)
+            self.container(
+                local,
+                CONTAINER_PORTALS,
+                ext,
+                f"from pods, when the IP is this node's: {at} -> proxy port {ext}",
+            )
+            self.host(
+                local,
+                HOST_PORTALS,
+                ext,
+                f"from this node, when the IP is its own: {at} -> proxy port {ext}",
+            )
+        if info.node_port:
+            for family in sorted(families):
+                self.node_port(family, pp)
+
+    def node_port(self, family: Family, pp: ProxiedPort) -> None:
+        np, ext, name = pp.info.node_port, pp.external_port, str(pp.info.name)
+        proto = pp.info.protocol.lower()
+        dsts = self.s.nodeport_dsts(family)
+        for dst in dsts:
+            where = f"local addresses in {dst}" if dst else "any local address"
+            at = f"{proto.upper()} to NodePort {np} on {where} ({name})"
+            m = Rule(family, NAT, "", "", name, protocol=proto, dst=dst, dport=np)
+            self.container(
+                m, CONTAINER_NODEPORTS, ext, f"from pods and the network: {at} -> proxy port {ext}"
+            )
+            self.host(m, HOST_NODEPORTS, ext, f"from this node: {at} -> proxy port {ext}")
+        if dsts:
+            self.add(
+                Rule(
+                    family,
+                    FILTER,
+                    NON_LOCAL_NODEPORTS,
+                    "ACCEPT",
+                    name,
+                    protocol=proto,
+                    dport=ext,
+                    state_new=True,
+                    why=f"accept new {proto.upper()} connections to proxy port {ext}"
+                    f" (NodePort {np} of {name}) even under a default-deny INPUT policy",
+                )
+            )
+
+
+def render(
+    ports: Iterable[ProxiedPort],
+    settings: Settings,
+    *,
+    families: Iterable[Family] = (),
+) -> list[Rule]:
+    """Every rule for `ports`: the built-in chain jumps of each family in use, then our chains.
+
+    Ordered by family, table, then service port name; duplicates dropped. A family is in use
+    when a rule needs it or it is listed in `families` (IPv4 when nothing is).
+    """
+    r = _Renderer(settings)
+    for pp in sorted(ports, key=lambda p: p.info.name):
+        r.port(pp)
+    used = set(families) | {rule.family for rule in r.rules} or {4}
+    out: list[Rule] = []
+    for family in sorted(used):
+        for table in TABLES:
+            out += [j for j in jumps(family) if j.table == table]
+            out += [rule for rule in r.rules if rule.family == family and rule.table == table]
+    return out
+
+
+def explain(
+    ports: Iterable[ProxiedPort],
+    *,
+    node_ips: Sequence[str] = (),
+    bind_address: str = "0.0.0.0",
+    nodeport_addresses: Sequence[str] = (),
+    physdev: bool = True,
+) -> list[tuple[str, str]]:
+    """(iptables-save line, one-line explanation) for every rule, for `rules` and the demo.
+
+    The explanation names the table when it is not nat and the family when it is IPv6.
+    """
+    settings = Settings(tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev)
+    out = []
+    for rule in render(ports, settings, families={ip_family(ip) or 4 for ip in node_ips}):
+        tags = ["IPv6"] if rule.family == 6 else []
+        tags += ["filter table"] if rule.table == FILTER else []
+        out.append((rule.line, (" ".join(tags) + ": " if tags else "") + rule.why))
+    return out
