@@ -788,3 +788,21 @@ def test_junk_anywhere_never_raises(
     assert ServicePortName("default", "good", "http") in snap.services
     state.apply("EndpointSlice", "DELETED", bad_slice)
     state.apply("Service", "DELETED", bad_service)
+
+
+def test_relist_of_same_resource_version_is_not_parsed_again() -> None:
+    first = service()
+    first["metadata"]["resourceVersion"] = "41"
+    same_version = _svc_with("spec.ports.0.port", 81)
+    same_version["metadata"]["resourceVersion"] = "41"  # the API never does this: proves the skip
+    newer = _svc_with("spec.ports.0.port", 82)
+    newer["metadata"]["resourceVersion"] = "42"
+    state = ClusterState()
+    state.replace("Service", [first])
+    state.replace("Service", [same_version])
+    assert state.snapshot().services[HTTP].port == 80
+    state.replace("Service", [newer])
+    assert state.snapshot().services[HTTP].port == 82
+    state.apply("Service", "DELETED", newer)
+    state.apply("Service", "ADDED", first)  # recreated objects are parsed even at an old version
+    assert state.snapshot().services[HTTP].port == 80
