@@ -282,7 +282,9 @@ class FakeApiServer:
     def write_kubeconfig(self, path: str | Path) -> Path:
         """Write `kubeconfig()` to a file and return its path."""
         target = Path(path)
-        target.write_text(yaml.safe_dump(self.kubeconfig(), sort_keys=False))
+        partial = target.with_name(target.name + ".partial")
+        partial.write_text(yaml.safe_dump(self.kubeconfig(), sort_keys=False))
+        partial.replace(target)  # atomically: a reader never sees half a file
         return target
 
     # -- fault switches and counters ----------------------------------------------------------
