@@ -1,0 +1,448 @@
+"""Rule rendering, explanations, the diff planner and the iptables-restore text (no root)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kube_userspace_proxy.model import Protocol, ProxiedPort, ServicePortInfo, ServicePortName
+from kube_userspace_proxy.portals import plan
+from kube_userspace_proxy.portals.restore import restore_text, view_of
+from kube_userspace_proxy.portals.rules import (
+    CHAINS,
+    CONTAINER_NODEPORTS,
+    CONTAINER_PORTALS,
+    HOST_NODEPORTS,
+    HOST_PORTALS,
+    NON_LOCAL_NODEPORTS,
+    Rule,
+    Settings,
+    explain,
+    render,
+)
+
+NODE = Settings(node_ips=("10.244.0.1",))
+WEB = ServicePortName("default", "web", "http")
+
+
+def port(
+    *,
+    name: ServicePortName = WEB,
+    cluster_ips: tuple[str, ...] = ("10.96.0.10",),
+    node_port: int = 0,
+    external_ips: tuple[str, ...] = (),
+    lb_ips: tuple[str, ...] = (),
+    cluster_port: int = 40001,
+    external_port: int | None = None,
+    svc_port: int = 80,
+) -> ProxiedPort:
+    info = ServicePortInfo(
+        name,
+        svc_port,
+        cluster_ips,
+        node_port=node_port,
+        external_ips=external_ips,
+        load_balancer_ips=lb_ips,
+    )
+    return ProxiedPort(info, cluster_port, cluster_port if external_port is None else external_port)
+
+
+def lines(ports: Sequence[ProxiedPort], s: Settings = NODE, chain: str | None = None) -> list[str]:
+    return [r.line for r in render(ports, s) if chain is None or r.chain == chain]
+
+
+def test_cluster_ip_from_pods_is_redirected_to_the_proxy_port() -> None:
+    assert lines([port()], chain=CONTAINER_PORTALS) == [
+        '-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http"'
+        " -m tcp --dport 80 -j REDIRECT --to-ports 40001"
+    ]
+
+
+def test_cluster_ip_from_the_node_is_dnated_to_the_node_ip() -> None:
+    assert lines([port()], chain=HOST_PORTALS) == [
+        '-A KUBE-PORTALS-HOST -d 10.96.0.10/32 -p tcp -m comment --comment "default/web:http"'
+        " -m tcp --dport 80 -j DNAT --to-destination 10.244.0.1:40001"
+    ]
+
+
+def test_specific_bind_address_gets_dnat_for_pods_and_node() -> None:
+    s = Settings(node_ips=("10.244.0.1",), bind_address="10.244.0.7")
+    container = lines([port()], s, CONTAINER_PORTALS)
+    host = lines([port()], s, HOST_PORTALS)
+    assert container[0].endswith("-j DNAT --to-destination 10.244.0.7:40001")
+    assert host[0].endswith("-j DNAT --to-destination 10.244.0.7:40001")
+
+
+def test_udp_ports_match_udp() -> None:
+    dns = ServicePortName("kube-system", "dns", "dns", Protocol.UDP)
+    (line,) = lines([port(name=dns, svc_port=53)], chain=CONTAINER_PORTALS)
+    assert "-p udp -m comment" in line and "-m udp --dport 53" in line
+
+
+def test_every_rule_carries_the_service_port_name_as_comment() -> None:
+    ports = [port(node_port=30080, external_ips=("192.0.2.5",), lb_ips=("198.51.100.7",))]
+    for rule in render(ports, NODE):
+        if not rule.is_jump:
+            assert '--comment "default/web:http"' in rule.line
+
+
+def test_port_without_a_proxy_port_gets_no_rules() -> None:
+    rules = render([port(cluster_port=0, external_port=0, node_port=30080)], NODE)
+    assert all(r.is_jump for r in rules)
+
+
+def test_external_paths_go_to_the_external_port() -> None:
+    p = port(node_port=30080, external_ips=("192.0.2.5",), lb_ips=("198.51.100.7",))
+    p = ProxiedPort(p.info, 40001, 40002)
+    for rule in render([p], NODE):
+        if rule.is_jump:
+            continue
+        cluster = rule.dst == "10.96.0.10/32"
+        expected = 40001 if cluster else 40002
+        assert (rule.to_port if rule.table == "nat" else rule.dport) == expected, rule.line
+
+
+def test_load_balancer_ips_are_treated_like_cluster_ips() -> None:
+    rules = lines([port(lb_ips=("198.51.100.7",))])
+    lb = [line for line in rules if "198.51.100.7" in line]
+    assert len(lb) == 2
+    assert "-A KUBE-PORTALS-CONTAINER" in lb[0] and "REDIRECT --to-ports 40001" in lb[0]
+    assert "-A KUBE-PORTALS-HOST" in lb[1] and "physdev" not in lb[1] and "addrtype" not in lb[1]
+
+
+def test_external_ips_get_the_physdev_and_local_variants() -> None:
+    ext = [line for line in lines([port(external_ips=("192.0.2.5",))]) if "192.0.2.5" in line]
+    assert ext == [
+        '-A KUBE-PORTALS-CONTAINER -d 192.0.2.5/32 -p tcp -m comment --comment "default/web:http"'
+        " -m tcp --dport 80 -m physdev ! --physdev-is-in -j REDIRECT --to-ports 40001",
+        '-A KUBE-PORTALS-CONTAINER -d 192.0.2.5/32 -p tcp -m comment --comment "default/web:http"'
+        " -m tcp --dport 80 -m addrtype --dst-type LOCAL -j REDIRECT --to-ports 40001",
+        '-A KUBE-PORTALS-HOST -d 192.0.2.5/32 -p tcp -m comment --comment "default/web:http"'
+        " -m tcp --dport 80 -m addrtype --dst-type LOCAL -j DNAT --to-destination"
+        " 10.244.0.1:40001",
+    ]
+
+
+def test_without_physdev_external_ips_are_captured_unconditionally() -> None:
+    s = Settings(node_ips=("10.244.0.1",), physdev=False)
+    ext = [line for line in lines([port(external_ips=("192.0.2.5",))], s) if "192.0.2.5" in line]
+    assert len(ext) == 3
+    assert not any("physdev" in line for line in ext)
+    assert ext[0].endswith("--dport 80 -j REDIRECT --to-ports 40001")
+
+
+def test_node_port_rules_match_the_node_port_on_any_local_address() -> None:
+    rules = lines([port(node_port=30080)])
+    assert [line for line in rules if CONTAINER_NODEPORTS in line.split()[1]] == [
+        '-A KUBE-NODEPORT-CONTAINER -p tcp -m comment --comment "default/web:http"'
+        " -m tcp --dport 30080 -j REDIRECT --to-ports 40001"
+    ]
+    assert [line for line in rules if line.startswith(f"-A {HOST_NODEPORTS} ")] == [
+        '-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "default/web:http"'
+        " -m tcp --dport 30080 -j DNAT --to-destination 10.244.0.1:40001"
+    ]
+    assert [line for line in rules if line.startswith(f"-A {NON_LOCAL_NODEPORTS} ")] == [
+        '-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http"'
+        " -m tcp --dport 40001 -m state --state NEW -j ACCEPT"
+    ]
+
+
+def test_nodeport_addresses_restrict_node_ports_to_matching_local_addresses() -> None:
+    s = Settings(node_ips=("10.244.0.1",), nodeport_addresses=("10.244.0.0/24", "fd00::/64"))
+    container = lines([port(node_port=30080)], s, CONTAINER_NODEPORTS)
+    assert container == [
+        "-A KUBE-NODEPORT-CONTAINER -d 10.244.0.0/24 -p tcp -m comment --comment"
+        ' "default/web:http" -m tcp --dport 30080 -j REDIRECT --to-ports 40001'
+    ]
+
+
+def test_nodeport_addresses_of_the_other_family_only_leave_no_node_port_rules() -> None:
+    s = Settings(node_ips=("10.244.0.1",), nodeport_addresses=("fd00::/64",))
+    rules = render([port(node_port=30080)], s)
+    assert not [r for r in rules if r.chain in (CONTAINER_NODEPORTS, NON_LOCAL_NODEPORTS)]
+
+
+def test_jumps_lead_into_our_chains_in_kube_proxy_order() -> None:
+    jumps = [r for r in render([], NODE) if r.is_jump]
+    assert [(r.table, r.chain, r.target, r.prepend) for r in jumps] == [
+        ("nat", "PREROUTING", CONTAINER_PORTALS, True),
+        ("nat", "OUTPUT", HOST_PORTALS, True),
+        ("nat", "PREROUTING", CONTAINER_NODEPORTS, False),
+        ("nat", "OUTPUT", HOST_NODEPORTS, False),
+        ("filter", "INPUT", NON_LOCAL_NODEPORTS, True),
+    ]
+    assert jumps[2].line == (
+        '-A PREROUTING -m comment --comment "handle service NodePorts; NOTE: this must be the'
+        ' last rule in the chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORT-CONTAINER'
+    )
+
+
+def test_ipv6_cluster_ips_render_for_ip6tables() -> None:
+    s = Settings(node_ips=("10.244.0.1", "fd00::1"))
+    rules = list(render([port(cluster_ips=("10.96.0.10", "fd00:96::10"))], s))
+    v6 = [r.line for r in rules if r.family == 6 and not r.is_jump]
+    assert v6 == [
+        "-A KUBE-PORTALS-CONTAINER -d fd00:96::10/128 -p tcp -m comment --comment"
+        ' "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001',
+        '-A KUBE-PORTALS-HOST -d fd00:96::10/128 -p tcp -m comment --comment "default/web:http"'
+        " -m tcp --dport 80 -j DNAT --to-destination [fd00::1]:40001",
+    ]
+    assert {r.family for r in rules if r.is_jump} == {4, 6}
+
+
+def test_external_ips_of_a_family_the_service_lacks_are_ignored() -> None:
+    rules = lines([port(external_ips=("2001:db8::5",))])
+    assert not [line for line in rules if "2001:db8" in line]
+
+
+def test_no_node_ip_means_no_host_rules() -> None:
+    rules = render([port(node_port=30080)], Settings())
+    assert not [r for r in rules if r.chain in (HOST_PORTALS, HOST_NODEPORTS)]
+    assert [r for r in rules if r.chain == CONTAINER_PORTALS]
+
+
+def test_duplicate_rules_are_rendered_once() -> None:
+    a = port(external_ips=("192.0.2.5",))
+    b = port(name=ServicePortName("default", "web"), external_ips=("192.0.2.5",))
+    rules = render([a, a, b], NODE)
+    assert len(set(rules)) == len(rules)
+
+
+def test_explain_pairs_each_save_line_with_an_explanation() -> None:
+    pairs = explain([port(node_port=30080)], node_ips=("10.244.0.1",))
+    assert all(line.startswith("-A ") and why for line, why in pairs)
+    whys = dict(pairs)
+    redirect = next(line for line, _ in pairs if "REDIRECT" in line and "10.96.0.10" in line)
+    assert "from pods" in whys[redirect] and "40001" in whys[redirect]
+    accept = next(line for line, _ in pairs if "ACCEPT" in line)
+    assert whys[accept].startswith("filter table: ")
+
+
+# ---- planning ---------------------------------------------------------------------------
+
+
+class FakeTable:
+    """Executes plan ops like a kernel table would; fingerprints are the rules themselves."""
+
+    def __init__(self, table: str) -> None:
+        self.table = table
+        self.chains: dict[str, list[Rule]] = {"PREROUTING": [], "OUTPUT": [], "INPUT": []}
+
+    def view(self) -> plan.TableView:
+        ours = CHAINS[self.table]
+        fps: dict[str, Hashable] = {c: tuple(self.chains[c]) for c in ours if c in self.chains}
+        jumps = tuple(
+            plan.Found(c, r.target, i, r.spec)
+            for c in ("PREROUTING", "OUTPUT", "INPUT")
+            for i, r in enumerate(self.chains[c])
+            if r.target in ours
+        )
+        return plan.TableView(fps, jumps)
+
+    def run(self, ops: Sequence[plan.Op]) -> None:
+        for op in ops:
+            if isinstance(op, plan.ResetChain):
+                self.chains[op.chain] = []
+            elif isinstance(op, plan.DropChain):
+                del self.chains[op.chain]
+            elif isinstance(op, plan.Append):
+                self.chains[op.rule.chain].append(op.rule)
+            elif isinstance(op, plan.Prepend):
+                self.chains[op.rule.chain].insert(0, op.rule)
+            else:
+                removed = self.chains[op.chain].pop(op.index)
+                assert removed.spec == op.spec
+
+
+def sync(
+    table: FakeTable, want: plan.TableRules, state: dict[str, object] | None
+) -> tuple[plan.Plan, dict[str, object]]:
+    view = table.view()
+    if state is None:
+        step = plan.replace_all(want, view)
+    else:
+        step = plan.update(want, view, state["chains"], state["fps"])  # type: ignore[arg-type]
+    table.run(step.ops)
+    return step, {"chains": step.chains, "fps": dict(table.view().chains)}
+
+
+def nat(ports: Sequence[ProxiedPort]) -> plan.TableRules:
+    return plan.group(render(ports, NODE), 4, "nat")
+
+
+def services(indexes: Sequence[int], proxy_base: int = 40000) -> list[ProxiedPort]:
+    return [
+        port(
+            name=ServicePortName("ns", f"svc{i}", "p"),
+            cluster_ips=(f"10.96.0.{i + 1}",),
+            node_port=30000 + i if i % 3 == 0 else 0,
+            cluster_port=proxy_base + i,
+        )
+        for i in indexes
+    ]
+
+
+def holds(table: FakeTable, want: plan.TableRules) -> bool:
+    for chain, rules in want.chains.items():
+        if sorted(table.chains[chain], key=lambda r: r.line) != sorted(rules, key=lambda r: r.line):
+            return False
+    jumps = [(c, r.target) for c in ("PREROUTING", "OUTPUT") for r in table.chains[c]]
+    return sorted(jumps) == sorted((j.chain, j.target) for j in want.jumps)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sets(st.integers(0, 40), max_size=25),
+    st.sets(st.integers(0, 40), max_size=25),
+    st.integers(0, 2),
+)
+def test_update_from_a_to_b_leaves_exactly_b(a: set[int], b: set[int], shift: int) -> None:
+    table = FakeTable("nat")
+    _, state = sync(table, nat(services(sorted(a))), None)
+    want = nat(services(sorted(b), proxy_base=40000 + shift))
+    step, state = sync(table, want, state)
+    assert holds(table, want)
+    assert step.repaired == []
+    assert {c: list(r) for c, r in step.chains.items()} == {
+        c: table.chains[c] for c in CHAINS["nat"]
+    }
+
+
+def test_an_unchanged_state_plans_nothing() -> None:
+    table = FakeTable("nat")
+    want = nat(services(range(5)))
+    _, state = sync(table, want, None)
+    step, _ = sync(table, want, state)
+    assert step.ops == []
+
+
+def test_one_change_plans_one_delete_and_one_append_per_rule() -> None:
+    table = FakeTable("nat")
+    _, state = sync(table, nat(services(range(50))), None)
+    changed = services(range(49)) + services([49], proxy_base=41000)
+    step, _ = sync(table, nat(changed), state)
+    kinds = sorted(type(op).__name__ for op in step.ops)
+    assert kinds == ["Append", "Append", "Delete", "Delete"]
+
+
+def test_the_first_sync_replaces_rules_an_earlier_run_left() -> None:
+    table = FakeTable("nat")
+    sync(table, nat(services(range(5))), None)
+    table.chains["PREROUTING"].append(table.chains["PREROUTING"][0])  # a duplicated jump
+    want = nat(services([7]))
+    sync(table, want, None)
+    assert holds(table, want)
+
+
+def test_a_flushed_chain_is_rewritten_and_reported() -> None:
+    table = FakeTable("nat")
+    want = nat(services(range(5)))
+    _, state = sync(table, want, None)
+    table.chains[HOST_PORTALS] = []
+    step, _ = sync(table, want, state)
+    assert step.repaired == [HOST_PORTALS]
+    assert holds(table, want)
+
+
+def test_a_deleted_jump_is_put_back_at_the_head() -> None:
+    table = FakeTable("nat")
+    want = nat(services(range(2)))
+    _, state = sync(table, want, None)
+    foreign = Rule(4, "nat", "PREROUTING", "ACCEPT", "someone else")
+    table.chains["PREROUTING"] = [foreign, *table.chains["PREROUTING"][1:]]
+    step, _ = sync(table, want, state)
+    assert step.repaired == ["PREROUTING -> KUBE-PORTALS-CONTAINER"]
+    assert [r.target for r in table.chains["PREROUTING"]] == [
+        CONTAINER_PORTALS,
+        "ACCEPT",
+        CONTAINER_NODEPORTS,
+    ]
+
+
+def test_node_port_jump_before_portal_jump_is_reordered() -> None:
+    table = FakeTable("nat")
+    want = nat(services(range(2)))
+    _, state = sync(table, want, None)
+    table.chains["PREROUTING"].reverse()
+    sync(table, want, state)
+    assert [r.target for r in table.chains["PREROUTING"]] == [
+        CONTAINER_PORTALS,
+        CONTAINER_NODEPORTS,
+    ]
+
+
+def test_cleanup_removes_jumps_then_chains() -> None:
+    table = FakeTable("nat")
+    sync(table, nat(services(range(3))), None)
+    foreign = Rule(4, "nat", "PREROUTING", "ACCEPT", "someone else")
+    table.chains["PREROUTING"].insert(1, foreign)
+    table.run(plan.cleanup("nat", table.view()))
+    assert table.chains == {"PREROUTING": [foreign], "OUTPUT": [], "INPUT": []}
+
+
+def test_cleanup_keeps_a_chain_that_a_foreign_chain_jumps_to() -> None:
+    view = plan.TableView({CONTAINER_PORTALS: ()}, (), frozenset({CONTAINER_PORTALS}))
+    assert plan.cleanup("nat", view) == [plan.ResetChain(CONTAINER_PORTALS)]
+
+
+# ---- iptables-restore text ----------------------------------------------------------------
+
+SAVED = """# Generated by iptables-save v1.8.9
+*nat
+:PREROUTING ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:KUBE-PORTALS-CONTAINER - [0:0]
+:FOREIGN - [0:0]
+-A PREROUTING -j FOREIGN
+-A PREROUTING -m comment --comment "handle ClusterIPs; x" -j KUBE-PORTALS-CONTAINER
+-A FOREIGN -m comment --comment "-j KUBE-PORTALS-HOST" -j KUBE-PORTALS-CONTAINER
+-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32 -p tcp -j REDIRECT --to-ports 40001
+COMMIT
+*filter
+:INPUT ACCEPT [0:0]
+-A INPUT -j KUBE-PORTALS-CONTAINER
+COMMIT
+"""
+
+
+def test_saved_text_is_read_into_fingerprints_jumps_and_references() -> None:
+    view = view_of(SAVED, "nat")
+    assert view.chains == {
+        CONTAINER_PORTALS: ("-d 10.96.0.10/32 -p tcp -j REDIRECT --to-ports 40001",)
+    }
+    assert view.jumps == (
+        plan.Found(
+            "PREROUTING",
+            CONTAINER_PORTALS,
+            1,
+            '-m comment --comment "handle ClusterIPs; x" -j KUBE-PORTALS-CONTAINER',
+        ),
+    )
+    assert view.referenced == {CONTAINER_PORTALS}
+
+
+def test_restore_text_declares_resets_first_and_prepends_with_insert() -> None:
+    jump = next(r for r in render([], NODE) if r.target == CONTAINER_PORTALS)
+    rule = render([port()], NODE)[-1]
+    text = restore_text(
+        "nat",
+        [
+            plan.Delete("PREROUTING", 3, "-j KUBE-PORTALS-CONTAINER"),
+            plan.ResetChain(HOST_PORTALS),
+            plan.Append(rule),
+            plan.Prepend(jump),
+            plan.DropChain(HOST_NODEPORTS),
+        ],
+    )
+    assert text.splitlines() == [
+        "*nat",
+        ":KUBE-PORTALS-HOST - [0:0]",
+        "-D PREROUTING -j KUBE-PORTALS-CONTAINER",
+        rule.line,
+        f"-I PREROUTING 1 {jump.spec}",
+        "-F KUBE-NODEPORT-HOST",
+        "-X KUBE-NODEPORT-HOST",
+        "COMMIT",
+    ]
