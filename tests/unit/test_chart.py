@@ -1,0 +1,412 @@
+"""The Helm chart: schema, template references, RBAC, flags and config; with helm, renders.
+
+Checked everywhere: values.yaml validates against values.schema.json; every `.Values.*` path
+in the templates exists in values.yaml; the ClusterRole grants every API call the code makes;
+the DaemonSet's flags and the ConfigMap's KubeProxyConfiguration are accepted by the proxy's
+own CLI and config loader. Checked where helm is available (the `helm` binary on PATH, or the
+`helm_python` package, which embeds Helm's Go SDK): `helm lint --strict` and `helm template`
+with default, kind and monitoring values.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from kube_userspace_proxy import cli
+from kube_userspace_proxy.config import config_from_document
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kube-userspace-proxy"
+TEMPLATES = CHART / "templates"
+SRC = ROOT / "src" / "kube_userspace_proxy"
+
+VALUES: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())
+SCHEMA: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text())
+
+
+def validate(values: Mapping[str, Any]) -> None:
+    jsonschema.validate(values, SCHEMA, cls=jsonschema.Draft7Validator)
+
+
+def template_texts() -> Iterator[tuple[str, str]]:
+    for path in sorted(TEMPLATES.iterdir()):
+        yield path.name, path.read_text()
+
+
+def lookup(values: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = values
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            raise KeyError(dotted)
+        node = node[part]
+    return node
+
+
+def simple_render(text: str, values: Mapping[str, Any] = VALUES) -> str:
+    """Just enough of Helm for flat templates: drop control lines, fill `{{ .Values.x }}`."""
+    control = re.compile(r"^\s*\{\{-?\s*(if|end|with|range|else|include|toYaml|\$)\b.*\}\}\s*$")
+    lines = [line for line in text.splitlines() if not control.match(line)]
+    out = "\n".join(lines)
+    out = re.sub(
+        r"\{\{-?\s*\.Values\.([\w.]+)\s*(\|\s*quote\s*)?-?\}\}",
+        lambda m: str(lookup(values, m.group(1))),
+        out,
+    )
+    return re.sub(r"\{\{.*?\}\}", "placeholder", out)
+
+
+# -- values and schema ---------------------------------------------------------------------
+
+
+def test_schema_is_valid_draft7() -> None:
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
+
+
+def test_values_yaml_validates_against_the_schema() -> None:
+    validate(VALUES)
+
+
+def with_value(dotted: str, value: Any) -> dict[str, Any]:
+    values = json.loads(json.dumps(VALUES))
+    node = values
+    *parents, last = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+    return values
+
+
+@pytest.mark.parametrize(
+    ("dotted", "bad"),
+    [
+        ("config.mode", "iptables"),  # the chart sets mode: userspace itself
+        ("config.syncPeriod", "30s"),  # belongs under config.iptables, as in kube-proxy
+        ("config.iptables.syncPeriod", "30"),  # durations carry a unit
+        ("config.metricsBindAddress", "10249"),
+        ("image.pullPolicy", "Sometimes"),
+        ("iptablesBackend", "nft"),
+        ("logFormat", "xml"),
+        ("extraArgs", ["v=4"]),
+        ("livenessProbe.path", "/metrics"),
+        ("typo", True),
+    ],
+)
+def test_schema_rejects_bad_values(dotted: str, bad: Any) -> None:
+    with pytest.raises(jsonschema.ValidationError):
+        validate(with_value(dotted, bad))
+
+
+@pytest.mark.parametrize(
+    ("dotted", "good"),
+    [
+        ("config.metricsBindAddress", "0.0.0.0:10249"),
+        ("config.metricsBindAddress", "[::]:10249"),
+        ("config.healthzBindAddress", ""),
+        ("config.iptables.syncPeriod", "1m30s"),
+        ("config.portRange", "30000-30100"),
+        ("apiServer.host", "kind-control-plane"),
+    ],
+)
+def test_schema_accepts_good_values(dotted: str, good: Any) -> None:
+    validate(with_value(dotted, good))
+
+
+# -- templates -----------------------------------------------------------------------------
+
+
+def test_every_values_path_in_the_templates_exists_in_values_yaml() -> None:
+    missing = []
+    for name, text in template_texts():
+        for dotted in re.findall(r"\.Values\.([A-Za-z_][\w.]*)", text):
+            try:
+                lookup(VALUES, dotted.rstrip("."))
+            except KeyError:
+                missing.append(f"{name}: .Values.{dotted}")
+    assert missing == []
+
+
+def test_every_object_carries_the_standard_labels() -> None:
+    for name, text in template_texts():
+        if name.endswith(".yaml"):
+            assert 'include "kup.labels"' in text, name
+    helpers = (TEMPLATES / "_helpers.tpl").read_text()
+    for label in ("name", "instance", "version", "component", "part-of", "managed-by"):
+        assert f"app.kubernetes.io/{label}:" in helpers
+
+
+def api_calls_in_code() -> set[tuple[str, str]]:
+    """(resource, verb) of every kubernetes_asyncio API method the proxy refers to."""
+    calls: set[tuple[str, str]] = set()
+    for path in SRC.rglob("*.py"):
+        text = path.read_text()
+        # `core = kclient.CoreV1Api(api)` ... `core.list_service_for_all_namespaces`
+        for api in set(re.findall(r"\b(\w+)\s*=\s*\w+\.\w+V\d\w*Api\(", text)):
+            pattern = (
+                rf"\b{api}\.(list|read|create|patch|replace|delete)_(?:namespaced_)?"
+                r"([a-z_]+?)(?:_for_all_namespaces)?\b"
+            )
+            for verb, resource in re.findall(pattern, text):
+                if verb == "list":
+                    # Every list is followed by a watch of the same resource (KubeSource).
+                    calls |= {(resource, "list"), (resource, "watch")}
+                else:
+                    calls.add((resource, {"read": "get"}.get(verb, verb)))
+    return calls
+
+
+# Resource (kubernetes_asyncio's snake_case) -> (API groups, plural) as RBAC names it.
+RESOURCES = {
+    "service": ([""], "services"),
+    "endpoint_slice": (["discovery.k8s.io"], "endpointslices"),
+    "node": ([""], "nodes"),
+    "event": (["", "events.k8s.io"], "events"),
+}
+
+
+def granted(role: Mapping[str, Any]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_cluster_role_grants_every_api_call_the_code_makes() -> None:
+    role = yaml.safe_load(simple_render((TEMPLATES / "clusterrole.yaml").read_text()))
+    assert role["kind"] == "ClusterRole"
+    have = granted(role)
+    calls = api_calls_in_code()
+    # The scan itself still finds the proxy's watches.
+    assert {("service", "watch"), ("endpoint_slice", "watch"), ("node", "list")} <= calls
+    for resource, verb in calls:
+        assert resource in RESOURCES, f"unknown API resource {resource!r}: map it and grant it"
+        groups, plural = RESOURCES[resource]
+        assert any((g, plural, verb) in have for g in groups), f"{plural} {verb} not granted"
+
+
+def test_cluster_role_matches_node_proxier_for_what_this_proxy_uses() -> None:
+    have = granted(yaml.safe_load(simple_render((TEMPLATES / "clusterrole.yaml").read_text())))
+    for group, resource in (("", "services"), ("discovery.k8s.io", "endpointslices")):
+        assert {(group, resource, v) for v in ("list", "watch")} <= have
+    assert {("", "nodes", v) for v in ("get", "list", "watch")} <= have
+    for group in ("", "events.k8s.io"):
+        assert {(group, "events", v) for v in ("create", "patch")} <= have
+    assert not any(verb in {"delete", "deletecollection", "*"} for _, _, verb in have)
+
+
+def config_document(values: Mapping[str, Any] = VALUES) -> dict[str, Any]:
+    """The ConfigMap's KubeProxyConfiguration as templates/configmap.yaml builds it."""
+    template = (TEMPLATES / "configmap.yaml").read_text()
+    assert "mode: userspace" in template and "toYaml .Values.config" in template
+    return {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "mode": "userspace",
+        **values["config"],
+    }
+
+
+def daemonset_args(values: Mapping[str, Any] = VALUES) -> list[str]:
+    text = simple_render((TEMPLATES / "daemonset.yaml").read_text(), values)
+    block = text.split("args:", 1)[1].split("env:", 1)[0]
+    return [line.strip()[2:] for line in block.splitlines() if line.strip().startswith("- --")]
+
+
+def test_daemonset_flags_and_config_file_are_accepted_by_the_proxy(tmp_path: Path) -> None:
+    config_file = tmp_path / "config.conf"
+    config_file.write_text(yaml.safe_dump(config_document()))
+    args = [f"--config={config_file}" if a.startswith("--config=") else a for a in daemonset_args()]
+    assert f"--config={config_file}" in args
+    parsed = cli.make_parser().parse_args(["run", *args])
+    config = cli.parse_config(parsed)
+    assert config.healthz_bind_address == VALUES["config"]["healthzBindAddress"]
+    assert config.sync_period == 30.0
+    assert config.hostname_override == "$(NODE_NAME)"  # expanded by the kubelet
+    assert config.verbosity == VALUES["verbosity"]
+
+
+def test_config_file_maps_every_chart_field() -> None:
+    mapped = config_from_document(
+        with_value("config.portRange", "30000-30100")["config"]
+        | {"clusterCIDR": "10.244.0.0/16", "nodePortAddresses": ["10.0.0.0/8"]}
+    )
+    assert mapped["proxy_port_range"] == "30000-30100"
+    assert mapped["cluster_cidr"] == "10.244.0.0/16"
+    assert mapped["nodeport_addresses"] == ("10.0.0.0/8",)
+    assert mapped["sync_period"] == "30s"
+    assert mapped["kube_api_qps"] == 5
+
+
+# -- with helm -----------------------------------------------------------------------------
+
+
+def helm_backend() -> tuple[Callable[[dict[str, Any]], list[str]], Callable[[], str]] | None:
+    """(template(values) -> rendered docs, lint() -> problems) from helm or helm_python."""
+    if shutil.which("helm"):
+
+        def template_cli(values: dict[str, Any]) -> list[str]:
+            proc = subprocess.run(
+                ["helm", "template", "kup", str(CHART), "-n", "kube-system", "-f", "-"],
+                input=json.dumps(values),
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode:
+                raise RuntimeError(proc.stderr)
+            return [doc for doc in proc.stdout.split("\n---") if doc.strip()]
+
+        def lint_cli() -> str:
+            proc = subprocess.run(
+                ["helm", "lint", "--strict", str(CHART)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            return "" if proc.returncode == 0 else proc.stdout + proc.stderr
+
+        return template_cli, lint_cli
+    try:
+        import helm_python
+    except ImportError:
+        return None
+
+    def template_sdk(values: dict[str, Any]) -> list[str]:
+        with helm_python.Chart.load(str(CHART)) as chart:
+            try:
+                rendered = chart.render(values, name="kup", namespace="kube-system")
+            except helm_python.HelmError as exc:
+                raise RuntimeError(str(exc)) from exc
+        return [
+            doc
+            for name, text in rendered.items()
+            if name.endswith(".yaml")
+            for doc in text.split("\n---")
+            if doc.strip()
+        ]
+
+    def lint_sdk() -> str:
+        report = helm_python.lint(str(CHART), strict=True)
+        problems = [m["error"] for m in report["messages"] if m["severity"] >= 2]
+        return "\n".join(problems + report["errors"])
+
+    return template_sdk, lint_sdk
+
+
+HELM = helm_backend()
+needs_helm = pytest.mark.skipif(
+    HELM is None, reason="neither the helm binary nor the helm_python package is installed"
+)
+KIND_VALUES = {"apiServer": {"host": "kind-control-plane"}}
+MONITORING_VALUES = {
+    "config": {"metricsBindAddress": "0.0.0.0:10249"},
+    "serviceMonitor": {"enabled": True},
+    "podMonitor": {"enabled": True},
+}
+
+
+def render(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    assert HELM is not None
+    objects = [yaml.safe_load(doc) for doc in HELM[0](values)]
+    return {obj["kind"]: obj for obj in objects if obj}
+
+
+@needs_helm
+def test_helm_lint_strict_passes() -> None:
+    assert HELM is not None
+    assert HELM[1]() == ""
+
+
+@needs_helm
+def test_helm_template_renders_the_node_proxy() -> None:
+    objects = render(KIND_VALUES)
+    assert set(objects) == {
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "DaemonSet",
+    }
+    for obj in objects.values():
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "kube-userspace-proxy"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+    pod = objects["DaemonSet"]["spec"]["template"]["spec"]
+    assert objects["DaemonSet"]["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    assert pod["hostNetwork"] is True
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert {"operator": "Exists"} in pod["tolerations"]
+    (container,) = pod["containers"]
+    assert "NET_ADMIN" in container["securityContext"]["capabilities"]["add"]
+    assert "--hostname-override=$(NODE_NAME)" in container["args"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["KUBERNETES_SERVICE_HOST"]["value"] == "kind-control-plane"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"healthz": 10256, "metrics": 10249}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "healthz"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/run/xtables.lock", "/var/lib/kube-userspace-proxy"} <= mounts
+    binding = objects["ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == objects["ClusterRole"]["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
+
+
+@needs_helm
+def test_rendered_config_map_is_a_config_the_proxy_accepts() -> None:
+    config_map = render({})["ConfigMap"]
+    document = yaml.safe_load(config_map["data"]["config.conf"])
+    assert document["mode"] == "userspace"
+    assert document == config_document()
+    assert config_from_document(document)["healthz_bind_address"] == "0.0.0.0:10256"
+
+
+@needs_helm
+def test_rendered_cluster_role_equals_the_simply_substituted_one() -> None:
+    rendered = render({})["ClusterRole"]
+    simple = yaml.safe_load(simple_render((TEMPLATES / "clusterrole.yaml").read_text()))
+    assert rendered["rules"] == simple["rules"]
+
+
+@needs_helm
+def test_monitoring_adds_service_monitor_pod_monitor_and_headless_service() -> None:
+    objects = render(MONITORING_VALUES)
+    assert {"ServiceMonitor", "PodMonitor", "Service"} <= set(objects)
+    assert objects["Service"]["spec"]["clusterIP"] == "None"
+    assert objects["Service"]["spec"]["ports"][0]["port"] == 10249
+    assert objects["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+@needs_helm
+def test_monitoring_with_loopback_metrics_fails_with_a_clear_message() -> None:
+    values = {**MONITORING_VALUES, "config": {"metricsBindAddress": "127.0.0.1:10249"}}
+    with pytest.raises(RuntimeError, match="metricsBindAddress off loopback"):
+        render(values)
+
+
+@needs_helm
+def test_helm_enforces_the_schema() -> None:
+    with pytest.raises(RuntimeError, match="typo"):
+        render({"typo": True})
+
+
+@needs_helm
+def test_disabled_health_address_drops_the_probes() -> None:
+    pod = render({"config": {"healthzBindAddress": ""}})["DaemonSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "livenessProbe" not in container and "readinessProbe" not in container
+    assert [p["name"] for p in container["ports"]] == ["metrics"]
