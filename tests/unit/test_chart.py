@@ -410,3 +410,44 @@ def test_disabled_health_address_drops_the_probes() -> None:
     (container,) = pod["containers"]
     assert "livenessProbe" not in container and "readinessProbe" not in container
     assert [p["name"] for p in container["ports"]] == ["metrics"]
+
+
+# -- image and kind walkthrough files -------------------------------------------------------
+
+
+def test_image_entrypoint_is_the_installed_command_the_chart_runs() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r"^kube-userspace-proxy = ", pyproject, re.M)
+    assert 'ENTRYPOINT ["kube-userspace-proxy"]' in dockerfile
+    assert 'command: ["kube-userspace-proxy"]' in (TEMPLATES / "daemonset.yaml").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", dockerfile, re.M)
+    assert "apt-get install -y --no-install-recommends iptables" in dockerfile
+
+
+def test_image_healthcheck_asks_the_default_health_address() -> None:
+    port = VALUES["config"]["healthzBindAddress"].rsplit(":", 1)[1]
+    healthcheck = re.search(r"HEALTHCHECK.*?\n(?:.*\\\n)*.*", (ROOT / "Dockerfile").read_text())
+    assert healthcheck is not None
+    assert f"127.0.0.1:{port}/healthz" in healthcheck.group(0)
+
+
+def test_kind_cluster_has_no_kube_proxy() -> None:
+    cluster = yaml.safe_load((ROOT / "deploy" / "kind.yaml").read_text())
+    assert cluster["networking"]["kubeProxyMode"] == "none"
+    assert "name" not in cluster  # "kind": the control plane is kind-control-plane
+
+
+def test_myapp_is_three_replicas_behind_a_cluster_ip_service() -> None:
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "myapp.yaml").read_text()))
+    objects = {doc["kind"]: doc for doc in docs}
+    deployment, service = objects["Deployment"], objects["Service"]
+    assert deployment["apiVersion"] == "apps/v1"
+    assert deployment["spec"]["replicas"] == 3
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"].startswith("nginx")
+    assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["containerPort"]
