@@ -8,6 +8,7 @@ woke up while scraping: against /proxyMode (the noise floor), /metrics as served
 that renders on the loop.
 
     .venv/bin/python benchmarks/metrics_scrape.py [--ports 1000] [--scrapes 50]
+    .venv/bin/python benchmarks/metrics_scrape.py --connections 5   # connections/s, scraped or not
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import json
 import os
 import platform
 import random
+import socket
 import statistics
 import sys
 import time
 import urllib.request
 from typing import Any
 
+import uvloop
 from aiohttp import web
 
-from kube_userspace_proxy.dataplane import ConnStats
+from kube_userspace_proxy.dataplane import ConnStats, TcpListener
 from kube_userspace_proxy.health import ProxyHealth
 from kube_userspace_proxy.metrics import ProxyMetrics
 from kube_userspace_proxy.model import Protocol, ServicePortName
@@ -205,18 +208,166 @@ def client(url: str, scrapes: int) -> None:
     print(json.dumps({"times": times, "size": len(body), "samples": samples}))
 
 
+# -- per-connection cost: connections/s through a real TcpListener, scraped or not -----------
+
+
+class OneBackend:
+    """The smallest Picker: always the same backend."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.address = address
+
+    def pick(self, client_ip: str, *, retry: bool = False) -> tuple[str, int] | None:
+        return self.address
+
+    def dial_failed(self, address: tuple[str, int]) -> None:
+        pass
+
+    def __bool__(self) -> bool:
+        return True
+
+
+async def child(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        *args,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+
+
+async def connection_cost(ports: int, seconds: float, concurrency: int, rounds: int) -> None:
+    """Connections/s (connect, 1 byte each way, close) without and with a 1 s /metrics scrape."""
+    backend = await child("--role-backend")
+    assert backend.stdout is not None and backend.stdin is not None
+    backend_port = int(await backend.stdout.readline())
+    stats = make_stats(ports)
+    proxied = ConnStats()
+    stats.append((ServicePortName("default", "bench", "tcp"), proxied))
+    metrics = ProxyMetrics(lambda: stats, lambda: len(stats))
+    server = await start_ops(
+        healthz_bind="",
+        metrics_bind="127.0.0.1:0",
+        health=ProxyHealth(30.0),
+        metrics=metrics,
+        debug_state=dict,
+        configz=dict,
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    listener = TcpListener(sock, OneBackend(("127.0.0.1", backend_port)), proxied)
+    await listener.start()
+    target = f"127.0.0.1:{sock.getsockname()[1]}"
+    metrics_url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    results: dict[str, list[float]] = {"no scraping": [], "scraped every 1 s": []}
+    try:
+        for _ in range(rounds):
+            for mode, rates in results.items():
+                scraper = None
+                if mode != "no scraping":
+                    scraper = await child("--role-scraper", metrics_url, str(seconds))
+                load = await child("--role-load", target, str(seconds), str(concurrency))
+                out, _ = await load.communicate()
+                if scraper is not None:
+                    await scraper.communicate()
+                rates.append(int(out) / seconds)
+    finally:
+        await listener.close()
+        await server.close()
+        backend.stdin.close()
+        await backend.wait()
+    print(
+        f"connections/s through one TcpListener ({concurrency} concurrent clients, "
+        f"{seconds:g} s per run, {rounds} runs each, {ports} other service ports in metrics, "
+        f"load average {os.getloadavg()[0]:.2f}):"
+    )
+    for mode, rates in results.items():
+        print(
+            f"  {mode:18} "
+            + "  ".join(f"{r:7.0f}" for r in rates)
+            + f"   median {statistics.median(rates):7.0f}"
+        )
+    print(f"  counted by the listener: {proxied.accepted} accepted, {proxied.completed} completed")
+
+
+def role_backend() -> None:
+    """Accept, answer one byte per byte read, close at EOF; stop when stdin closes."""
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.transport.write(data)  # type: ignore[attr-defined]
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(Echo, "127.0.0.1", 0, backlog=4096)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await loop.run_in_executor(None, sys.stdin.read)
+        server.close()
+
+    uvloop.run(serve())
+
+
+def role_load(target: str, seconds: float, concurrency: int) -> None:
+    """Open connections for `seconds` (connect, send 1 byte, read it back, close); print count."""
+    host, port = target.rsplit(":", 1)
+    done = 0
+
+    async def worker(deadline: float) -> None:
+        nonlocal done
+        while time.monotonic() < deadline:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"x")
+            await reader.readexactly(1)
+            writer.close()
+            await writer.wait_closed()
+            done += 1
+
+    async def run() -> None:
+        deadline = time.monotonic() + seconds
+        await asyncio.gather(*(worker(deadline) for _ in range(concurrency)))
+
+    uvloop.run(run())
+    print(done)
+
+
+def role_scraper(url: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        urllib.request.urlopen(url).read()
+        time.sleep(1.0)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ports", type=int, default=1000, help="service ports (default 1000)")
     parser.add_argument("--scrapes", type=int, default=50, help="scrapes to time (default 50)")
+    parser.add_argument(
+        "--connections",
+        type=float,
+        metavar="SECONDS",
+        help="instead: measure connections/s through a TcpListener, with and without a 1 s "
+        "scrape, SECONDS per run (default: off)",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="runs per mode (default 2)")
+    parser.add_argument("--concurrency", type=int, default=32, help="clients (default 32)")
     parser.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)
+    parser.add_argument("--role-backend", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--role-load", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--role-scraper", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
         client(args.client, args.scrapes)
-        sys.exit(0)
-    try:
-        import uvloop
-
+    elif args.role_backend:
+        role_backend()
+    elif args.role_load:
+        role_load(args.role_load[0], float(args.role_load[1]), int(args.role_load[2]))
+    elif args.role_scraper:
+        role_scraper(args.role_scraper[0], float(args.role_scraper[1]))
+    elif args.connections:
+        uvloop.run(connection_cost(args.ports, args.connections, args.concurrency, args.rounds))
+    else:
         uvloop.run(main(args.ports, args.scrapes))
-    except ImportError:
-        asyncio.run(main(args.ports, args.scrapes))
