@@ -1,0 +1,189 @@
+"""Portals driven directly against real tables in a throwaway namespace (no traffic)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.netns import Netns, sh
+
+pytestmark = pytest.mark.integration
+
+# Runs inside the namespace: builds a varied set of service ports, then runs `steps`.
+DRIVER = textwrap.dedent(
+    """
+    import json, subprocess, sys
+    from kube_userspace_proxy import logs
+    from kube_userspace_proxy.model import *
+    from kube_userspace_proxy.portals import Portals, make_backend
+
+    logs.setup(0)
+    args = json.loads(sys.argv[1])
+
+    def ports(n, shift=0):
+        out = []
+        for i in range(n):
+            proto = Protocol.UDP if i % 4 == 3 else Protocol.TCP
+            name = ServicePortName("ns%d" % (i % 3), "svc%d" % i, "p", proto)
+            ips = ("10.96.%d.%d" % (i // 200, i % 200 + 1),)
+            if i % 5 == 0:
+                ips += ("fd00:96::%x" % (i + 1),)
+            info = ServicePortInfo(
+                name, 80 + i % 3, ips,
+                node_port=30000 + i if i % 2 == 0 else 0,
+                external_ips=("192.0.2.%d" % (i % 200 + 1),) if i % 7 == 0 else (),
+                load_balancer_ips=("198.51.100.%d" % (i % 200 + 1),) if i % 11 == 0 else (),
+            )
+            base = 40000 + i + (shift if i == n - 1 else 0)  # shift moves the last port only
+            out.append(ProxiedPort(info, base, base + 1000 if i % 6 == 0 else base))
+        return out
+
+    portals = Portals(
+        make_backend(args["backend"]),
+        node_ips=("10.244.0.1", "fd00::1"),
+        nodeport_addresses=args.get("nodeport_addresses", ()),
+    )
+    result = {"backend": portals.backend.name, "steps": []}
+    for step in args["steps"]:
+        if step[0] == "apply":
+            portals.apply(ports(step[1], step[2] if len(step) > 2 else 0))
+        elif step[0] == "run":
+            subprocess.run(step[1], check=True)
+        result["steps"].append({"commits": portals.commits, "repairs": portals.repairs})
+    print(json.dumps(result))
+    """
+)
+SAVES = {
+    "iptc": ("iptables-legacy-save", "ip6tables-legacy-save"),
+    "restore": ("iptables-nft-save", "ip6tables-nft-save"),
+}
+
+
+@pytest.fixture
+def node(netns_ok: None) -> Iterator[Netns]:
+    ns = Netns(f"kupportals{os.getpid()}x{time.monotonic_ns() % 10**6}")
+    sh("ip", "netns", "add", ns.name)
+    try:
+        yield ns
+    finally:
+        sh("ip", "netns", "del", ns.name, check=False)
+
+
+def drive(ns: Netns, backend: str, *steps: list[Any], **extra: Any) -> dict[str, Any]:
+    arg = json.dumps({"backend": backend, "steps": list(steps), **extra})
+    result: dict[str, Any] = json.loads(ns.python(DRIVER, arg, timeout=120))
+    return result
+
+
+def tables(ns: Netns, backend: str) -> dict[str, list[str]]:
+    """Our rule lines per family and table, in kernel order."""
+    out: dict[str, list[str]] = {}
+    for family, save in zip(("v4", "v6"), SAVES[backend], strict=True):
+        table = ""
+        for line in ns.run(save).splitlines():
+            if line.startswith("*"):
+                table = line[1:]
+            elif line.startswith("-A ") and "KUBE-" in line:
+                out.setdefault(f"{family} {table}", []).append(line)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_first_apply_installs_exactly_the_rendered_rules(node: Netns, backend: str) -> None:
+    result = drive(node, backend, ["apply", 60])
+    got = tables(node, backend)
+    assert result["backend"].startswith(backend)
+    assert sum(len(v) for v in got.values()) > 200
+    for key, lines in got.items():
+        assert len(lines) == len(set(lines)), f"duplicates in {key}"
+    assert len(got["v4 nat"]) > len(got["v6 nat"]) > 0
+
+
+def test_both_backends_write_the_same_lines(netns_ok: None, tmp_path: Path) -> None:
+    results = {}
+    for backend in ("iptc", "restore"):
+        ns = Netns(f"kupsame{backend[:4]}{os.getpid()}")
+        sh("ip", "netns", "add", ns.name)
+        try:
+            steps = [["apply", 80], ["apply", 75, 3]]  # a fresh set, then a changed one
+            drive(ns, backend, *steps, nodeport_addresses=["10.244.0.0/16", "fd00::/64"])
+            results[backend] = tables(ns, backend)
+        finally:
+            sh("ip", "netns", "del", ns.name, check=False)
+    assert results["iptc"] == results["restore"]
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_resync_without_changes_commits_nothing(node: Netns, backend: str) -> None:
+    iptables = "iptables-legacy" if backend == "iptc" else "iptables-nft"
+    foreign = [iptables, "-t", "nat", "-A", "POSTROUTING", "-p", "tcp", "-j", "ACCEPT"]
+    result = drive(node, backend, ["apply", 30], ["apply", 30], ["run", foreign], ["apply", 30])
+    commits = [step["commits"] for step in result["steps"]]
+    first = commits[0]
+    assert commits == [first, first, first, first]
+    assert result["steps"][-1]["repairs"] == 0
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_one_changed_port_is_one_small_commit(node: Netns, backend: str) -> None:
+    result = drive(node, backend, ["apply", 30], ["apply", 30, 500])
+    before, after = (step["commits"] for step in result["steps"])
+    assert after - before == 1  # the last port has IPv4 nat rules only
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_a_table_flushed_by_hand_is_rebuilt(node: Netns, backend: str) -> None:
+    iptables = "iptables-legacy" if backend == "iptc" else "iptables-nft"
+    wipe = f"{iptables} -t nat -F && {iptables} -t nat -X"
+    result = drive(node, backend, ["apply", 30], ["run", ["sh", "-c", wipe]], ["apply", 30])
+    assert result["steps"][-1]["repairs"] == 1
+    installed = tables(node, backend)
+    fresh = Netns(node.name + "b")
+    sh("ip", "netns", "add", fresh.name)
+    try:
+        drive(fresh, backend, ["apply", 30])
+        assert installed == tables(fresh, backend)
+    finally:
+        sh("ip", "netns", "del", fresh.name, check=False)
+
+
+def test_auto_picks_iptc_where_legacy_tables_hold_rules(node: Netns) -> None:
+    node.run("iptables-legacy", "-A", "INPUT", "-p", "tcp", "--dport", "22", "-j", "ACCEPT")
+    code = "from kube_userspace_proxy.portals import make_backend; print(make_backend('auto').name)"
+    assert node.python(code).strip() == "iptc (legacy)"
+
+
+def test_auto_picks_restore_on_nft_otherwise(node: Netns) -> None:
+    code = "from kube_userspace_proxy.portals import make_backend; print(make_backend('auto').name)"
+    assert node.python(code).strip() == "restore (nft)"
+
+
+def test_iptc_waits_for_the_xtables_lock(node: Netns, tmp_path: Path) -> None:
+    lock = tmp_path / "xtables.lock"
+    held = 1.5
+    with open(lock, "w") as fd:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        started = time.monotonic()
+        arg = json.dumps({"backend": "iptc", "steps": [["apply", 3]]})
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", node.name, sys.executable, "-c", DRIVER, arg],
+            env={**os.environ, "XTABLES_LOCKFILE": str(lock)},
+            stdout=subprocess.PIPE,
+        )
+        time.sleep(held)  # the lock must stay held for a while to show that apply waits
+        assert proc.poll() is None
+        assert "KUBE-" not in node.run("iptables-legacy-save")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert time.monotonic() - started >= held
+    assert json.loads(out)["steps"][0]["commits"] >= 1
