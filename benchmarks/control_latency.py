@@ -173,12 +173,12 @@ async def measure_traffic(
                 port = proxy.proxier.port_of(WEB)
                 await asyncio.sleep(0.01)
             for name, backend_port, _ in backends[1:]:
+                await asyncio.sleep(interval)  # let the runner's min_sync_period pass
                 started = time.perf_counter()
                 await put_slice(http, url, "127.0.0.1", backend_port)
                 while await ask(port) != name:
                     pass
                 samples.append(time.perf_counter() - started)
-                await asyncio.sleep(interval)
     for _, _, server in backends:
         server.close()
     return samples
@@ -188,7 +188,8 @@ def summary(label: str, samples: list[float]) -> str:
     ordered = sorted(samples)
     p99 = ordered[max(0, -(-99 * len(ordered) // 100) - 1)]  # nearest rank
     return (
-        f"{label:8} n={len(samples)} median={statistics.median(samples) * 1000:.1f} ms "
+        f"{label:8} n={len(samples)} all={[round(x * 1000, 1) for x in samples]}\n{'':8} "
+        f"n={len(samples)} median={statistics.median(samples) * 1000:.1f} ms "
         f"p99={p99 * 1000:.1f} ms min={ordered[0] * 1000:.1f} ms max={ordered[-1] * 1000:.1f} ms"
     )
 
