@@ -102,6 +102,7 @@ class _Client(asyncio.Protocol):
         "pump_in",
         "pump_out",
         "splicing",
+        "timed_out",
         "transport",
     )
 
@@ -114,6 +115,7 @@ class _Client(asyncio.Protocol):
         self.in_done = False  # client -> backend finished (EOF passed on)
         self.out_done = False  # backend -> client finished
         self.dial: asyncio.Task[None] | None = None
+        self.timed_out = False
         self.splicing = lst.splice
         self.big_in = 0
         self.big_out = 0
@@ -202,12 +204,20 @@ class _Client(asyncio.Protocol):
             stats.refused_no_endpoints += 1
             self._give_up()
             return
+        loop = lst.loop
         for timeout in lst.dial_timeouts:
             b = _Backend(self)
+            # call_later + cancel costs less per connection than asyncio.timeout().
+            timer = loop.call_later(timeout, self._dial_timed_out)
             try:
-                async with asyncio.timeout(timeout):
-                    await lst.loop.create_connection(lambda: b, address[0], address[1])  # noqa: B023
-            except (OSError, TimeoutError) as exc:
+                await loop.create_connection(lambda: b, address[0], address[1])  # noqa: B023
+            except (OSError, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    if not self.timed_out:
+                        raise
+                    self.timed_out = False
+                    assert self.dial is not None
+                    self.dial.uncancel()
                 stats.dial_failures += 1
                 picker.dial_failed(address)
                 log.debug("%s: dial %s failed: %r", lst.name, address, exc)
@@ -218,6 +228,8 @@ class _Client(asyncio.Protocol):
                     break
                 address = next_address
                 continue
+            finally:
+                timer.cancel()
             self.dial = None
             if self.transport.is_closing():
                 b.transport.abort()
@@ -227,6 +239,11 @@ class _Client(asyncio.Protocol):
             return
         stats.failed += 1
         self._give_up()
+
+    def _dial_timed_out(self) -> None:
+        if self.dial is not None:
+            self.timed_out = True
+            self.dial.cancel()
 
     def _give_up(self) -> None:
         self.dial = None

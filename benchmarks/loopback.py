@@ -1,0 +1,320 @@
+"""Data-plane throughput and connection rate through TcpListener vs direct, on 127.0.0.1.
+
+One run, its own backends, bounded in bytes and seconds. Three processes: this one (the
+clients), a backend process, and a proxy process per mode (splice on, splice off). Reports:
+
+  (a) bulk: `--bytes` (default 1 GiB) sent client -> backend, direct and through the proxy;
+      throughput, ratio to direct, and the proxy's CPU seconds per GiB (from /proc).
+  (b) connections per second: each connection connects, sends a 16-byte request, reads the
+      reply, closes; `--concurrency` clients for `--seconds`; rate and ratio to direct, and the
+      proxy's CPU microseconds per connection.
+
+    .venv/bin/python benchmarks/loopback.py [--bytes 1073741824] [--seconds 4]
+        [--concurrency 32] [--loop uvloop|asyncio] [--modes splice,copy] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import uvloop
+
+from kube_userspace_proxy.dataplane import ConnStats, TcpListener
+
+REQUEST = b"GET /small 16 B\n"
+REPLY = b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"
+CHUNK = 4 << 20
+GiB = 1 << 30
+MAX_CONNECTIONS = 200_000  # per path, on top of the time bound
+
+
+def _run(main: Any, loop_kind: str) -> None:
+    if loop_kind == "uvloop":
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --- backend process
+
+
+def _sink(conn: socket.socket) -> None:
+    buf = bytearray(1 << 20)
+    total = 0
+    with conn:
+        while n := conn.recv_into(buf):
+            total += n
+        conn.sendall(total.to_bytes(8, "big"))
+
+
+def _sink_server(sock: socket.socket) -> None:
+    while True:
+        conn, _ = sock.accept()
+        threading.Thread(target=_sink, args=(conn,), daemon=True).start()
+
+
+class _Reply(asyncio.Protocol):
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(REPLY)
+        self.transport.close()
+
+
+def backend_main(conn: Connection, loop_kind: str) -> None:
+    """Sink (blocking threads, C-speed recv_into) and request/reply (uvloop Protocol)."""
+    sink = socket.create_server(("127.0.0.1", 0), backlog=4096)
+    threading.Thread(target=_sink_server, args=(sink,), daemon=True).start()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_Reply, "127.0.0.1", 0, backlog=4096)
+        conn.send({"sink": sink.getsockname()[:2], "rr": server.sockets[0].getsockname()[:2]})
+        await loop.run_in_executor(None, conn.recv)
+
+    _run(main(), loop_kind)
+
+
+# --- proxy process
+
+
+class _Fixed:
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.address = address
+
+    def pick(self, client_ip: str, *, retry: bool = False) -> tuple[str, int] | None:
+        return self.address
+
+    def dial_failed(self, address: tuple[str, int]) -> None:
+        pass
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def proxy_main(
+    conn: Connection, backends: dict[str, tuple[str, int]], splice: bool, loop_kind: str
+) -> None:
+    """One TcpListener per backend; sends back {name: proxy port}; runs until told to stop."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        listeners = {}
+        for name, address in backends.items():
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", 0))
+            listener = TcpListener(sock, _Fixed(address), ConnStats(), splice=splice)
+            await listener.start()
+            listeners[name] = listener
+        conn.send({name: lst.port for name, lst in listeners.items()})
+        await loop.run_in_executor(None, conn.recv)
+        conn.send({name: lst.stats.spliced for name, lst in listeners.items()})
+
+    _run(main(), loop_kind)
+
+
+# --- clients
+
+
+def bulk(port: int, size: int) -> float:
+    """Send `size` bytes and wait for the sink's byte count; returns seconds."""
+    payload = memoryview(os.urandom(CHUNK))
+    started = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        left = size
+        while left > 0:
+            n = min(left, CHUNK)
+            sock.sendall(payload[:n])
+            left -= n
+        sock.shutdown(socket.SHUT_WR)
+        got = int.from_bytes(sock.recv(8), "big")
+    elapsed = time.perf_counter() - started
+    if got != size:
+        raise RuntimeError(f"sink received {got} bytes of {size}")
+    return elapsed
+
+
+class _Ask(asyncio.Protocol):
+    def __init__(self, done: asyncio.Future[int]) -> None:
+        self.done = done
+        self.size = 0
+
+    def connection_made(self, transport: Any) -> None:
+        transport.write(REQUEST)
+
+    def data_received(self, data: bytes) -> None:
+        self.size += len(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(self.size)
+
+
+async def _cps(port: int, seconds: float, concurrency: int) -> tuple[int, float, int]:
+    loop = asyncio.get_running_loop()
+    done = 0
+    errors = 0
+    deadline = loop.time() + seconds
+
+    async def worker() -> None:
+        nonlocal done, errors
+        while loop.time() < deadline and done < MAX_CONNECTIONS:
+            fut: asyncio.Future[int] = loop.create_future()
+            try:
+                await loop.create_connection(lambda: _Ask(fut), "127.0.0.1", port)
+                size = await fut
+            except OSError:
+                errors += 1
+                continue
+            if size == len(REPLY):
+                done += 1
+            else:
+                errors += 1
+
+    started = loop.time()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done, loop.time() - started, errors
+
+
+def cps(port: int, seconds: float, concurrency: int, loop_kind: str) -> tuple[float, int, int]:
+    """Connections per second (connect, request, reply, close): (rate, count, errors)."""
+    result: list[tuple[int, float, int]] = []
+
+    async def main() -> None:
+        result.append(await _cps(port, seconds, concurrency))
+
+    _run(main(), loop_kind)
+    done, elapsed, errors = result[0]
+    return done / elapsed, done, errors
+
+
+# --- the run
+
+
+def start(target: Any, *args: Any) -> tuple[mp.process.BaseProcess, Connection, Any]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    if not parent.poll(30):
+        proc.kill()
+        raise RuntimeError(f"{target.__name__} did not start")
+    return proc, parent, parent.recv()
+
+
+def stop(proc: mp.process.BaseProcess, conn: Connection) -> Any:
+    reply = None
+    with contextlib.suppress(OSError, EOFError):
+        conn.send("stop")
+        if conn.poll(10):
+            reply = conn.recv()
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()  # our own child, by its handle
+        proc.join()
+    return reply
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bytes", type=int, default=GiB, help="bulk size (default 1 GiB)")
+    parser.add_argument("--seconds", type=float, default=4.0, help="per cps run (default 4)")
+    parser.add_argument("--concurrency", type=int, default=32, help="cps clients (default 32)")
+    parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    parser.add_argument("--modes", default="splice,copy", help="proxy modes to run")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+
+    backend, backend_conn, addresses = start(backend_main, args.loop)
+    results: dict[str, Any] = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "kernel": platform.release(),
+            "python": platform.python_version(),
+            "loop": args.loop,
+            "uvloop": uvloop.__version__,
+        },
+        "bytes": args.bytes,
+        "seconds": args.seconds,
+        "concurrency": args.concurrency,
+        "paths": {},
+    }
+    try:
+        paths: dict[str, dict[str, int]] = {"direct": {k: v[1] for k, v in addresses.items()}}
+        proxies = {}
+        for mode in modes:
+            proc, conn, ports = start(proxy_main, addresses, mode == "splice", args.loop)
+            proxies[mode] = (proc, conn)
+            paths[f"proxy-{mode}"] = ports
+        for name, ports in paths.items():
+            pid = proxies[name.removeprefix("proxy-")][0].pid if name != "direct" else None
+            entry: dict[str, Any] = {}
+            cpu0 = cpu_seconds(pid) if pid else 0.0
+            secs = bulk(ports["sink"], args.bytes)
+            entry["bulk_seconds"] = secs
+            entry["bulk_gbit_s"] = args.bytes * 8 / secs / 1e9
+            if pid:
+                entry["proxy_cpu_s_per_gib"] = (cpu_seconds(pid) - cpu0) / (args.bytes / GiB)
+            cpu0 = cpu_seconds(pid) if pid else 0.0
+            rate, count, errors = cps(ports["rr"], args.seconds, args.concurrency, args.loop)
+            entry.update(cps=rate, connections=count, errors=errors)
+            if pid and count:
+                entry["proxy_cpu_us_per_conn"] = (cpu_seconds(pid) - cpu0) / count * 1e6
+            results["paths"][name] = entry
+        for mode, (proc, conn) in proxies.items():
+            results["paths"][f"proxy-{mode}"]["spliced_directions"] = stop(proc, conn)
+    finally:
+        stop(backend, backend_conn)
+
+    direct = results["paths"]["direct"]
+    for entry in results["paths"].values():
+        entry["bulk_ratio"] = entry["bulk_gbit_s"] / direct["bulk_gbit_s"]
+        entry["cps_ratio"] = entry["cps"] / direct["cps"] if direct["cps"] else 0.0
+    if args.json:
+        json.dump(results, sys.stdout, indent=2)
+        print()
+        return 0
+    m = results["machine"]
+    print(
+        f"{m['cpus']} CPUs, Linux {m['kernel']}, Python {m['python']}, loop {m['loop']}"
+        f" (uvloop {m['uvloop']}); bulk {args.bytes / GiB:g} GiB;"
+        f" cps {args.concurrency} clients x {args.seconds:g} s"
+    )
+    print(
+        f"{'path':<14} {'bulk Gbit/s':>11} {'ratio':>6} {'proxy CPU s/GiB':>16}"
+        f" {'conn/s':>8} {'ratio':>6} {'proxy CPU us/conn':>18} {'errors':>6}"
+    )
+    for name, e in results["paths"].items():
+        cpu_gib = f"{e['proxy_cpu_s_per_gib']:.2f}" if "proxy_cpu_s_per_gib" in e else "-"
+        cpu_conn = f"{e['proxy_cpu_us_per_conn']:.0f}" if "proxy_cpu_us_per_conn" in e else "-"
+        print(
+            f"{name:<14} {e['bulk_gbit_s']:>11.2f} {e['bulk_ratio']:>6.2f} {cpu_gib:>16}"
+            f" {e['cps']:>8.0f} {e['cps_ratio']:>6.2f} {cpu_conn:>18} {e['errors']:>6}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
