@@ -11,9 +11,9 @@ import contextlib
 import resource
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import uvloop
 
@@ -33,6 +33,7 @@ from kube_userspace_proxy.state import ClusterState
 from kube_userspace_proxy.sync import BoundedFrequencyRunner
 
 log = logs.get(__name__)
+T = TypeVar("T")
 
 
 def raise_nofile_limit() -> int:
@@ -122,10 +123,10 @@ def build(config: ProxyConfig) -> Proxy:
         on_change=on_change,
     )
 
-    async def sync_once() -> None:
+    async def sync_once() -> bool:
         if not state.listed:
             log.debug("sync skipped: waiting for the first complete list of Services and slices")
-            return
+            return False
         started = time.monotonic()
         services, endpoints = state.pending_service_changes, state.pending_endpoint_changes
         snapshot = state.snapshot()
@@ -142,6 +143,7 @@ def build(config: ProxyConfig) -> Proxy:
             metrics.network_programming(max(0.0, now - trigger))
         if proxy.synced_once is not None:
             proxy.synced_once.set()
+        return True
 
     runner = BoundedFrequencyRunner(
         sync_once,
@@ -277,8 +279,8 @@ def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
     stop.set()
 
 
-def run_loop(main: Awaitable[int], event_loop: str = "uvloop") -> int:
-    """Run `main` on uvloop (or plain asyncio) and return its exit code."""
+def run_loop(main: Coroutine[Any, Any, T], event_loop: str = "uvloop") -> T:
+    """Run `main` on uvloop (or plain asyncio) and return its result."""
     factory = uvloop.new_event_loop if event_loop == "uvloop" else None
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main)  # type: ignore[arg-type]
+        return runner.run(main)

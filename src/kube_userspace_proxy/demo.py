@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.resources
 import socket
 import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path as FsPath
+from typing import cast
 
 from kube_userspace_proxy import app, logs
 from kube_userspace_proxy.config import ProxyConfig
@@ -49,8 +51,7 @@ class _HttpPod(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -69,8 +70,7 @@ class _UdpPod(asyncio.DatagramProtocol):
         self.transport: asyncio.DatagramTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)
-        self.transport = transport
+        self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
         if self.transport is not None:
@@ -84,11 +84,11 @@ async def start_pods() -> list[asyncio.AbstractServer | asyncio.BaseTransport]:
     try:
         for name, ip in PODS:
             server = await loop.create_server(
-                lambda n=name: _HttpPod(n), ip, HTTP_PORT, reuse_address=True
+                functools.partial(_HttpPod, name), ip, HTTP_PORT, reuse_address=True
             )
             opened.append(server)
             transport, _ = await loop.create_datagram_endpoint(
-                lambda n=name: _UdpPod(n), local_addr=(ip, UDP_PORT)
+                functools.partial(_UdpPod, name), local_addr=(ip, UDP_PORT)
             )
             opened.append(transport)
     except OSError as exc:

@@ -108,23 +108,28 @@ class Proxier:
     ) -> None:
         served = self._served.get(name)
         new = served is None
+        fresh: list[Listener] = []
         if served is None:
             served = _Served(info=info, stats=ConnStats(), pools={})
+            fresh.append(self._open(served, Path.CLUSTER))
             self._served[name] = served
-            try:
-                await self._open(served, Path.CLUSTER)
-            except BaseException:
-                del self._served[name]
-                raise
         served.info = info
         # A separate external listener exists exactly while the two paths need different
         # endpoint sets (one of the traffic policies is Local, the other not).
         if info.paths_differ and Path.EXTERNAL not in served.listeners:
-            await self._open(served, Path.EXTERNAL)
+            fresh.append(self._open(served, Path.EXTERNAL))
         elif not info.paths_differ and Path.EXTERNAL in served.listeners:
-            self._close_later(served.listeners.pop(Path.EXTERNAL))
+            listener = served.listeners.pop(Path.EXTERNAL)
+            self._allocator.release(info.protocol, listener.port)
+            self._close_later(listener)
             served.pools.pop(Path.EXTERNAL, None)
         self._update_endpoints(served, snapshot)
+        try:
+            await self._start(served, fresh)
+        except BaseException:
+            if new and not served.listeners:
+                del self._served[name]
+            raise
         if served.node_port != info.node_port:
             self._close_node_ports(served)
             if info.node_port:
@@ -140,20 +145,29 @@ class Proxier:
                 len(served.pools[Path.CLUSTER]),
             )
 
-    async def _open(self, served: _Served, path: Path) -> None:
+    def _open(self, served: _Served, path: Path) -> Listener:
+        """Reserve a proxy port for `path` and make its listener; the caller starts it."""
         info = served.info
-        name = info.name
-        pool = EndpointPool(name)
-        sock = self._allocator.reserve(info.protocol, name=str(name))
-        try:
-            listener = self._make_listener(sock, pool, served.stats, str(name))
-            await listener.start()
-        except BaseException:
-            self._allocator.release(info.protocol, sock.getsockname()[1])
-            sock.close()
-            raise
+        pool = EndpointPool(info.name)
+        sock = self._allocator.reserve(info.protocol, name=str(info.name))
+        listener = self._make_listener(sock, pool, served.stats, str(info.name))
         served.pools[path] = pool
         served.listeners[path] = listener
+        return listener
+
+    async def _start(self, served: _Served, listeners: list[Listener]) -> None:
+        """Start new listeners once their pools are filled, so a port listens when announced."""
+        for listener in listeners:
+            try:
+                await listener.start()
+            except BaseException:
+                for path, other in list(served.listeners.items()):
+                    if other is listener:
+                        del served.listeners[path]
+                        served.pools.pop(path, None)
+                self._allocator.release(served.info.protocol, listener.port)
+                await listener.close()
+                raise
 
     def _make_listener(
         self, sock: socket.socket, pool: EndpointPool, stats: ConnStats, name: str

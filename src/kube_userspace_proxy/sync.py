@@ -3,7 +3,8 @@
 Like kube-proxy's BoundedFrequencyRunner: a requested sync runs as soon as `min_interval` has
 passed since the previous one started, however many requests arrived meanwhile; with no request
 a sync still runs every `max_interval` (the periodic resync that repairs tampered rules). A
-failed sync is retried after `min_interval` (at least `retry_interval`).
+failed sync is retried after `min_interval` (at least `retry_interval`). `fn` returning False
+means "nothing to do yet" (no sync happened): it does not count against `min_interval`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class BoundedFrequencyRunner:
 
     def __init__(
         self,
-        fn: Callable[[], Awaitable[None]],
+        fn: Callable[[], Awaitable[bool | None]],
         *,
         min_interval: float,
         max_interval: float,
@@ -67,15 +68,22 @@ class BoundedFrequencyRunner:
                 if delay > 0:
                     await asyncio.sleep(delay)
             self._wake.clear()
-            self._last_start = self._clock()
+            started = self._clock()
             try:
-                await self._fn()
+                done = await self._fn()
             except asyncio.CancelledError:
                 raise
             except Exception:
+                self._last_start = started
                 self.failures += 1
                 log.exception("%s failed; retrying in %.1fs", self._name, self._retry)
                 next_periodic = self._clock() + self._retry
                 continue
+            if done is False:
+                # Nothing was synced (e.g. still waiting for the first lists): the next
+                # request may run at once, and the periodic clock has not started.
+                next_periodic = self._clock() + self._max
+                continue
+            self._last_start = started
             self.runs += 1
             next_periodic = self._clock() + self._max

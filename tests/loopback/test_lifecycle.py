@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 from tests.loopback.proxyrun import endpoint_slice, service, write_manifests
 
@@ -42,8 +43,7 @@ class _SlowSink(asyncio.Protocol):
         self.digest = hashlib.sha256()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.digest.update(data)
@@ -120,4 +120,6 @@ async def test_sigterm_lets_a_transfer_in_flight_finish_and_exits_0(tmp_path: Pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
         backend.close()

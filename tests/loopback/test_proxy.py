@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -22,6 +23,25 @@ from tests.loopback.proxyrun import (
     wait_for,
     write_manifests,
 )
+
+Backends = list[tuple[str, int, asyncio.Server]]
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[Callable[..., Awaitable[Backends]]]:
+    """Factory of named backends on 127.0.0.1; every server is closed after the test."""
+    made: list[asyncio.Server] = []
+
+    async def start(*names: str) -> Backends:
+        started = await start_named_backends(names)
+        made.extend(server for _, _, server in started)
+        return started
+
+    yield start
+    for server in made:
+        server.close()
+        await server.wait_closed()
+
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)
 API = ServicePortName("default", "api", "http", Protocol.TCP)
@@ -43,35 +63,41 @@ def _refused(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-async def test_round_robin_spreads_evenly_over_three_backends(tmp_path: Path) -> None:
-    backends = await start_named_backends(["pod-a", "pod-b", "pod-c"])
+async def test_round_robin_spreads_evenly_over_three_backends(
+    tmp_path: Path, backends: Backends
+) -> None:
+    started = await backends("pod-a", "pod-b", "pod-c")
     manifest = tmp_path / "svc.yaml"
-    write_manifests(manifest, _web(backends))
+    write_manifests(manifest, _web(started))
     async with running_proxy(loopback_config(manifest)) as proxy:
         port = proxy.proxier.port_of(WEB)
         answers = Counter([await ask(port) for _ in range(30)])
     assert answers == {"pod-a": 10, "pod-b": 10, "pod-c": 10}
 
 
-async def test_client_ip_affinity_sends_one_client_to_one_backend(tmp_path: Path) -> None:
-    backends = await start_named_backends(["pod-a", "pod-b", "pod-c"])
+async def test_client_ip_affinity_sends_one_client_to_one_backend(
+    tmp_path: Path, backends: Backends
+) -> None:
+    started = await backends("pod-a", "pod-b", "pod-c")
     manifest = tmp_path / "svc.yaml"
-    write_manifests(manifest, _web(backends, sessionAffinity="ClientIP"))
+    write_manifests(manifest, _web(started, sessionAffinity="ClientIP"))
     async with running_proxy(loopback_config(manifest)) as proxy:
         port = proxy.proxier.port_of(WEB)
         answers = Counter([await ask(port) for _ in range(12)])
     assert len(answers) == 1 and sum(answers.values()) == 12
 
 
-async def test_a_manifest_edit_adds_and_removes_a_service_within_2s(tmp_path: Path) -> None:
-    backends = await start_named_backends(["pod-a", "api-1"])
+async def test_a_manifest_edit_adds_and_removes_a_service_within_2s(
+    tmp_path: Path, backends: Backends
+) -> None:
+    started = await backends("pod-a", "api-1")
     manifest = tmp_path / "svc.yaml"
-    web = _web(backends[:1])
+    web = _web(started[:1])
     write_manifests(manifest, web)
     async with running_proxy(loopback_config(manifest)) as proxy:
         api = [
             service("api", [{"name": "http", "port": 8080}], cluster_ip="10.96.0.11"),
-            *endpoint_slice("api", "http", [("127.0.0.1", backends[1][1])]),
+            *endpoint_slice("api", "http", [("127.0.0.1", started[1][1])]),
         ]
         write_manifests(manifest, web + api)
         api_port = await wait_for(lambda: proxy.proxier.port_of(API), 2.0, "api served")
@@ -92,19 +118,20 @@ async def test_a_service_without_endpoints_refuses_connections(tmp_path: Path) -
             await asyncio.open_connection("127.0.0.1", port)
 
 
-async def test_debug_state_shows_the_proxy_ports_in_use(tmp_path: Path) -> None:
-    backends = await start_named_backends(["pod-a", "pod-b"])
+async def test_debug_state_shows_the_proxy_ports_in_use(tmp_path: Path, backends: Backends) -> None:
+    started = await backends("pod-a", "pod-b")
     manifest = tmp_path / "svc.yaml"
-    write_manifests(manifest, _web(backends))
+    write_manifests(manifest, _web(started))
     async with running_proxy(loopback_config(manifest)) as proxy:
         assert proxy.ops is not None
         url = f"http://127.0.0.1:{proxy.ops.metrics_port}/debug/state"
         async with aiohttp.ClientSession() as http, http.get(url) as response:
             assert response.status == 200
             state = json.loads(await response.text())
+        in_use = proxy.proxier.port_of(WEB)
     entry = state["default/web:http"]
-    assert entry["proxyPorts"] == {"cluster": proxy.proxier.port_of(WEB)}
-    assert sorted(entry["endpoints"]["cluster"]) == sorted(f"127.0.0.1:{p}" for _, p, _ in backends)
+    assert entry["proxyPorts"] == {"cluster": in_use}
+    assert sorted(entry["endpoints"]["cluster"]) == sorted(f"127.0.0.1:{p}" for _, p, _ in started)
 
 
 async def _scrape(port: int) -> str:
@@ -114,11 +141,11 @@ async def _scrape(port: int) -> str:
 
 
 async def test_connection_counters_move_with_traffic_and_vanish_with_the_service(
-    tmp_path: Path,
+    tmp_path: Path, backends: Backends
 ) -> None:
-    backends = await start_named_backends(["pod-a"])
+    started = await backends("pod-a")
     manifest = tmp_path / "svc.yaml"
-    write_manifests(manifest, _web(backends))
+    write_manifests(manifest, _web(started))
     labels = {"service_port": "default/web:http"}
     async with running_proxy(loopback_config(manifest)) as proxy:
         assert proxy.ops is not None and proxy.ops.metrics_port
