@@ -1,6 +1,6 @@
 """Data-plane throughput and connection rate through TcpListener vs direct, on 127.0.0.1.
 
-One run, its own backends, bounded in bytes and seconds. Three processes: this one (the
+One run, its own backends, bounded in bytes, rounds and seconds. Three processes: this one (the
 clients), a backend process, and a proxy process per mode (splice on, splice off). Reports:
 
   (a) bulk: `--bytes` (default 1 GiB) sent client -> backend, direct and through the proxy;
@@ -9,7 +9,9 @@ clients), a backend process, and a proxy process per mode (splice on, splice off
       reply, closes; `--concurrency` clients for `--seconds`; rate and ratio to direct, and the
       proxy's CPU microseconds per connection.
 
-    .venv/bin/python benchmarks/loopback.py [--bytes 1073741824] [--seconds 4]
+Each figure is the median of `--rounds` interleaved rounds.
+
+    .venv/bin/python benchmarks/loopback.py [--bytes 1073741824] [--seconds 2] [--rounds 3]
         [--concurrency 32] [--loop uvloop|asyncio] [--modes splice,copy] [--json]
 """
 
@@ -23,6 +25,7 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -182,7 +185,7 @@ async def _cps(port: int, seconds: float, concurrency: int) -> tuple[int, float,
         while loop.time() < deadline and done < MAX_CONNECTIONS:
             fut: asyncio.Future[int] = loop.create_future()
             try:
-                await loop.create_connection(lambda: _Ask(fut), "127.0.0.1", port)
+                await loop.create_connection(lambda: _Ask(fut), "127.0.0.1", port)  # noqa: B023
                 size = await fut
             except OSError:
                 errors += 1
@@ -239,8 +242,9 @@ def stop(proc: mp.process.BaseProcess, conn: Connection) -> Any:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bytes", type=int, default=GiB, help="bulk size (default 1 GiB)")
-    parser.add_argument("--seconds", type=float, default=4.0, help="per cps run (default 4)")
+    parser.add_argument("--seconds", type=float, default=2.0, help="per cps run (default 2)")
     parser.add_argument("--concurrency", type=int, default=32, help="cps clients (default 32)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     parser.add_argument("--modes", default="splice,copy", help="proxy modes to run")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -255,6 +259,7 @@ def main() -> int:
             "python": platform.python_version(),
             "loop": args.loop,
             "uvloop": uvloop.__version__,
+            "loadavg_before": os.getloadavg()[0],
         },
         "bytes": args.bytes,
         "seconds": args.seconds,
@@ -268,26 +273,36 @@ def main() -> int:
             proc, conn, ports = start(proxy_main, addresses, mode == "splice", args.loop)
             proxies[mode] = (proc, conn)
             paths[f"proxy-{mode}"] = ports
-        for name, ports in paths.items():
-            pid = proxies[name.removeprefix("proxy-")][0].pid if name != "direct" else None
-            entry: dict[str, Any] = {}
-            cpu0 = cpu_seconds(pid) if pid else 0.0
-            secs = bulk(ports["sink"], args.bytes)
-            entry["bulk_seconds"] = secs
-            entry["bulk_gbit_s"] = args.bytes * 8 / secs / 1e9
-            if pid:
-                entry["proxy_cpu_s_per_gib"] = (cpu_seconds(pid) - cpu0) / (args.bytes / GiB)
-            cpu0 = cpu_seconds(pid) if pid else 0.0
-            rate, count, errors = cps(ports["rr"], args.seconds, args.concurrency, args.loop)
-            entry.update(cps=rate, connections=count, errors=errors)
-            if pid and count:
-                entry["proxy_cpu_us_per_conn"] = (cpu_seconds(pid) - cpu0) / count * 1e6
+        samples: dict[str, dict[str, list[float]]] = {name: {} for name in paths}
+        # Rounds interleave the paths so that load from elsewhere on the machine hits all alike.
+        for _ in range(args.rounds):
+            for name, ports in paths.items():
+                proc = proxies[name.removeprefix("proxy-")][0] if name != "direct" else None
+                got = samples[name]
+                cpu0 = cpu_seconds(proc.pid) if proc and proc.pid else 0.0
+                secs = bulk(ports["sink"], args.bytes)
+                got.setdefault("bulk_gbit_s", []).append(args.bytes * 8 / secs / 1e9)
+                if proc and proc.pid:
+                    cpu = cpu_seconds(proc.pid) - cpu0
+                    got.setdefault("proxy_cpu_s_per_gib", []).append(cpu / (args.bytes / GiB))
+                    cpu0 = cpu_seconds(proc.pid)
+                rate, count, errors = cps(ports["rr"], args.seconds, args.concurrency, args.loop)
+                got.setdefault("cps", []).append(rate)
+                got.setdefault("errors", []).append(errors)
+                if proc and proc.pid and count:
+                    cpu = cpu_seconds(proc.pid) - cpu0
+                    got.setdefault("proxy_cpu_us_per_conn", []).append(cpu / count * 1e6)
+        for name, got in samples.items():
+            entry: dict[str, Any] = {k: statistics.median(v) for k, v in got.items()}
+            entry["errors"] = sum(got["errors"])
+            entry["samples"] = got
             results["paths"][name] = entry
         for mode, (proc, conn) in proxies.items():
             results["paths"][f"proxy-{mode}"]["spliced_directions"] = stop(proc, conn)
     finally:
         stop(backend, backend_conn)
 
+    results["machine"]["loadavg_after"] = os.getloadavg()[0]
     direct = results["paths"]["direct"]
     for entry in results["paths"].values():
         entry["bulk_ratio"] = entry["bulk_gbit_s"] / direct["bulk_gbit_s"]
@@ -300,7 +315,8 @@ def main() -> int:
     print(
         f"{m['cpus']} CPUs, Linux {m['kernel']}, Python {m['python']}, loop {m['loop']}"
         f" (uvloop {m['uvloop']}); bulk {args.bytes / GiB:g} GiB;"
-        f" cps {args.concurrency} clients x {args.seconds:g} s"
+        f" cps {args.concurrency} clients x {args.seconds:g} s; medians of {args.rounds} rounds;"
+        f" load average {m['loadavg_before']:.1f} -> {m['loadavg_after']:.1f}"
     )
     print(
         f"{'path':<14} {'bulk Gbit/s':>11} {'ratio':>6} {'proxy CPU s/GiB':>16}"

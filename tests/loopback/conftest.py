@@ -1,7 +1,8 @@
 """Real loopback backends for the data-plane tests, a test picker, and loop selection.
 
 Every data-plane test runs on uvloop; tests marked
-`pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])` run on plain asyncio too.
+`pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])` run on plain asyncio too
+(all of them with KUP_BOTH_LOOPS=1 in the environment).
 tests/loopback is not a package, so helpers reach the tests as fixtures.
 """
 
@@ -34,7 +35,9 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
     if item.path.name not in DATAPLANE_FILES:
         return {"asyncio": asyncio.new_event_loop}
     marker = item.get_closest_marker("asyncio")
-    if marker is not None and marker.kwargs.get("loop_factories"):
+    if os.environ.get("KUP_BOTH_LOOPS") or (
+        marker is not None and marker.kwargs.get("loop_factories")
+    ):
         return LOOPS
     return {"uvloop": uvloop.new_event_loop}
 

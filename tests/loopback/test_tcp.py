@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import os
 import socket
@@ -170,6 +171,29 @@ async def test_ipv6_listener_forwards(
     except OSError as exc:  # pragma: no cover - a host without IPv6 loopback
         pytest.skip(f"no IPv6 loopback: {exc}")
     assert await ask_name(listener.port, "::1") == "v6"
+
+
+async def test_transfer_falls_back_to_copying_when_splice_is_refused(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> int:
+        raise OSError(errno.EINVAL, "splice refused")
+
+    monkeypatch.setattr(os, "splice", refuse)  # as on a kernel or socket type without splice
+    pattern = os.urandom(MiB)
+    backend = await tcp_backends("bulk", bulk_size=8 * MiB, pattern=pattern)
+    stats = ConnStats()
+    listener = await tcp_listener(round_robin(backend.address), stats=stats)
+    upload = os.urandom(8 * MiB)
+    assert await exchange(listener.port, upload) == (
+        hashlib.sha256(pattern * 8).hexdigest(),
+        8 * MiB,
+    )
+    assert stats.spliced >= 1  # it tried
+    assert listener.splice is False  # and stopped trying
 
 
 # --- dialing

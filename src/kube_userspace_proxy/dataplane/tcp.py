@@ -320,7 +320,7 @@ class _Client(asyncio.Protocol):
             fds[1],
             on_bytes=self._count_in,
             on_eof=self._spliced_eof_in,
-            on_error=self._splice_error,
+            on_error=self._splice_in_failed,
         )
 
     def splice_out(self) -> None:
@@ -339,7 +339,7 @@ class _Client(asyncio.Protocol):
             fds[0],
             on_bytes=self._count_out,
             on_eof=self._spliced_eof_out,
-            on_error=self._splice_error,
+            on_error=self._splice_out_failed,
         )
 
     def _count_in(self, n: int) -> None:
@@ -363,6 +363,33 @@ class _Client(asyncio.Protocol):
             os_shutdown_write(self.fds[0])
         if self.in_done:
             self.finish()
+
+    def _splice_in_failed(self, exc: OSError) -> None:
+        pump = self.pump_in
+        if pump is not None and self._can_fall_back(pump, exc):
+            self.pump_in = None
+            self.transport.resume_reading()
+        else:
+            self._splice_error(exc)
+
+    def _splice_out_failed(self, exc: OSError) -> None:
+        pump = self.pump_out
+        b = self.backend
+        if pump is not None and b is not None and self._can_fall_back(pump, exc):
+            self.pump_out = None
+            b.transport.resume_reading()
+        else:
+            self._splice_error(exc)
+
+    def _can_fall_back(self, pump: splicing.SplicePump, exc: OSError) -> bool:
+        """splice(2) refused these sockets before moving a byte: copy instead, from now on."""
+        if exc.errno not in splicing.UNSUPPORTED or pump.moved:
+            return False
+        self.splicing = False
+        if self.lst.splice:
+            self.lst.splice = False
+            log.info("%s: os.splice is not usable here (%s); copying instead", self.lst.name, exc)
+        return True
 
     def _splice_error(self, exc: OSError) -> None:
         log.debug("%s: splice failed: %r", self.lst.name, exc)
@@ -462,25 +489,29 @@ class TcpListener:
             return
         if self.picker:
             if self._server is None and self._opening is None:
-                self._opening = self._loop.create_task(self._open(), name=f"listen {self.name}")
+                self._opening = self._loop.create_task(self._reopen(), name=f"listen {self.name}")
         else:
             self._stop_listening()
 
     async def _open(self) -> None:
+        """Listen on the port; raises OSError when that is impossible (see `refresh`)."""
         try:
             listen_sock = self._listening_socket()
             server = await self.loop.create_server(
                 self._protocol, sock=listen_sock, backlog=self._backlog
             )
-        except OSError as exc:
-            log.error("%s: cannot listen on %s: %s", self.name, self._address, exc)
-            raise
         finally:
             self._opening = None
         self._server = server
         log.debug("%s: listening on %s", self.name, self._address)
         if self._closed or not self.picker:  # changed while we were opening
             self._stop_listening()
+
+    async def _reopen(self) -> None:
+        try:
+            await self._open()
+        except OSError as exc:  # the next refresh() tries again
+            log.error("%s: cannot listen on %s: %s", self.name, self._address, exc)
 
     def _listening_socket(self) -> socket.socket:
         assert self._sock is not None
