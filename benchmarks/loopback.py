@@ -24,9 +24,12 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -135,6 +138,53 @@ def proxy_main(
         conn.send({name: lst.stats.spliced for name, lst in listeners.items()})
 
     _run(main(), loop_kind)
+
+
+# --- reference: HAProxy in TCP mode, one thread (like our one event loop)
+
+HAPROXY_CONFIG = """global
+    maxconn 8000
+    nbthread 1
+defaults
+    mode tcp
+    timeout connect 2s
+    timeout client 60s
+    timeout server 60s
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_haproxy(
+    backends: dict[str, tuple[str, int]], tmp: str
+) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
+    """HAProxy forwarding a free port to each backend; waits until it accepts."""
+    ports = {name: _free_port() for name in backends}
+    config = HAPROXY_CONFIG
+    for name, (host, port) in backends.items():
+        config += (
+            f"listen {name}\n    bind 127.0.0.1:{ports[name]}\n    server {name} {host}:{port}\n"
+        )
+    path = os.path.join(tmp, "haproxy.cfg")
+    with open(path, "w") as f:
+        f.write(config)
+    proc = subprocess.Popen(["haproxy", "-db", "-q", "-f", path], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    for port in ports.values():
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    proc.kill()
+                    raise RuntimeError("haproxy did not start") from None
+                time.sleep(0.05)
+    return proc, ports
 
 
 # --- clients
@@ -246,11 +296,16 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32, help="cps clients (default 32)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
-    parser.add_argument("--modes", default="splice,copy", help="proxy modes to run")
+    parser.add_argument(
+        "--modes",
+        default="splice,copy,haproxy",
+        help="paths besides direct: splice, copy (our proxy), haproxy (reference, if installed)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
 
+    tmp = tempfile.mkdtemp(prefix="kup-bench-")
     backend, backend_conn, addresses = start(backend_main, args.loop)
     results: dict[str, Any] = {
         "machine": {
@@ -266,42 +321,61 @@ def main() -> int:
         "concurrency": args.concurrency,
         "paths": {},
     }
+    proxies: dict[str, tuple[mp.process.BaseProcess, Connection]] = {}
+    haproxy: subprocess.Popen[bytes] | None = None
     try:
         paths: dict[str, dict[str, int]] = {"direct": {k: v[1] for k, v in addresses.items()}}
-        proxies = {}
+        pids: dict[str, int | None] = {"direct": None}
         for mode in modes:
+            if mode == "haproxy":
+                if shutil.which("haproxy") is None:
+                    print("haproxy not found: skipping that path", file=sys.stderr)
+                    continue
+                haproxy, ports = start_haproxy(addresses, tmp)
+                paths["haproxy"], pids["haproxy"] = ports, haproxy.pid
+                continue
             proc, conn, ports = start(proxy_main, addresses, mode == "splice", args.loop)
             proxies[mode] = (proc, conn)
-            paths[f"proxy-{mode}"] = ports
+            paths[f"proxy-{mode}"], pids[f"proxy-{mode}"] = ports, proc.pid
         samples: dict[str, dict[str, list[float]]] = {name: {} for name in paths}
         # Rounds interleave the paths so that load from elsewhere on the machine hits all alike.
         for _ in range(args.rounds):
             for name, ports in paths.items():
-                proc = proxies[name.removeprefix("proxy-")][0] if name != "direct" else None
+                pid = pids[name]
                 got = samples[name]
-                cpu0 = cpu_seconds(proc.pid) if proc and proc.pid else 0.0
+                cpu0 = cpu_seconds(pid) if pid else 0.0
                 secs = bulk(ports["sink"], args.bytes)
                 got.setdefault("bulk_gbit_s", []).append(args.bytes * 8 / secs / 1e9)
-                if proc and proc.pid:
-                    cpu = cpu_seconds(proc.pid) - cpu0
+                if pid:
+                    cpu = cpu_seconds(pid) - cpu0
                     got.setdefault("proxy_cpu_s_per_gib", []).append(cpu / (args.bytes / GiB))
-                    cpu0 = cpu_seconds(proc.pid)
+                    cpu0 = cpu_seconds(pid)
                 rate, count, errors = cps(ports["rr"], args.seconds, args.concurrency, args.loop)
                 got.setdefault("cps", []).append(rate)
                 got.setdefault("errors", []).append(errors)
-                if proc and proc.pid and count:
-                    cpu = cpu_seconds(proc.pid) - cpu0
+                if pid and count:
+                    cpu = cpu_seconds(pid) - cpu0
                     got.setdefault("proxy_cpu_us_per_conn", []).append(cpu / count * 1e6)
         for name, got in samples.items():
             entry: dict[str, Any] = {k: statistics.median(v) for k, v in got.items()}
             entry["errors"] = sum(got["errors"])
             entry["samples"] = got
             results["paths"][name] = entry
-        for mode, (proc, conn) in proxies.items():
-            results["paths"][f"proxy-{mode}"]["spliced_directions"] = stop(proc, conn)
     finally:
+        for mode, (proc, conn) in proxies.items():
+            spliced = stop(proc, conn)
+            if f"proxy-{mode}" in results["paths"]:
+                results["paths"][f"proxy-{mode}"]["spliced_directions"] = spliced
+        if haproxy is not None:
+            haproxy.terminate()  # our own child, by its handle
+            try:
+                haproxy.wait(10)
+            except subprocess.TimeoutExpired:
+                haproxy.kill()
+                haproxy.wait()
         stop(backend, backend_conn)
 
+    shutil.rmtree(tmp, ignore_errors=True)
     results["machine"]["loadavg_after"] = os.getloadavg()[0]
     direct = results["paths"]["direct"]
     for entry in results["paths"].values():
