@@ -10,11 +10,15 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import aiohttp
 import pytest
 
+from kube_userspace_proxy.app import Proxy
 from kube_userspace_proxy.config import ProxyConfig
+from kube_userspace_proxy.metrics import sample_value
 from kube_userspace_proxy.model import ServicePortName
 from tests.control.conftest import NODE, endpoint_slice, eventually, service
 from tests.control.test_kube_resilience import OUTAGE_SECONDS
@@ -24,6 +28,12 @@ from tests.loopback.proxyrun import ask, running_proxy, start_named_backends
 WEB = ServicePortName("default", "web", "http")
 
 Backends = Callable[[list[str]], Awaitable[list[tuple[str, int]]]]
+
+
+def programmed(proxy: Proxy) -> bool:
+    """True once web's proxy port has an endpoint (before that it refuses connections)."""
+    served = proxy.proxier.debug_state().get(str(WEB))
+    return bool(served and served["endpoints"].get("cluster"))
 
 
 @pytest.fixture
@@ -65,10 +75,8 @@ async def test_service_applied_to_the_api_server_serves_within_a_second(
         started = time.monotonic()
         apiserver.create(service("web"))
         apiserver.create(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port))
-        proxy_port = await eventually(
-            lambda: proxy.proxier.port_of(WEB), timeout=1.0, what="web's proxy port"
-        )
-        assert await ask(proxy_port) == name
+        await eventually(lambda: programmed(proxy), timeout=1.0, what="web's endpoint programmed")
+        assert await ask(proxy.proxier.port_of(WEB)) == name
         assert time.monotonic() - started < 1.0
 
 
@@ -120,3 +128,34 @@ async def test_outage_keeps_traffic_flowing_and_catches_up(
                 await asyncio.sleep(0.01)
 
         await asyncio.wait_for(both(), 10.0)
+
+
+async def test_trigger_time_feeds_the_network_programming_metric(
+    apiserver: FakeApiServer, kubeconfig: str, backends: Backends
+) -> None:
+    [(name, port)] = await backends(["pod-a"])
+    apiserver.create(service("web"))
+    metric = "kubeproxy_network_programming_duration_seconds"
+    async with running_proxy(kube_config(kubeconfig)) as proxy:
+        assert proxy.ops is not None
+        url = f"http://127.0.0.1:{proxy.ops.metrics_port}/metrics"
+
+        async def scrape(sample: str) -> float:
+            async with aiohttp.ClientSession() as http, http.get(url) as response:
+                return sample_value(await response.text(), sample) or 0.0
+
+        assert await scrape(f"{metric}_count") == 0
+        # The controller stamps the time of the change that triggered the slice update.
+        stamp = datetime.now(UTC) - timedelta(seconds=2)
+        trigger = stamp.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        apiserver.create(
+            endpoint_slice("web-a", "web", ["127.0.0.1"], port=port, trigger_time=trigger)
+        )
+        await eventually(lambda: programmed(proxy), what="web's endpoint programmed")
+        assert await ask(proxy.proxier.port_of(WEB)) == name
+        deadline = time.monotonic() + 5
+        while await scrape(f"{metric}_count") < 1:
+            assert time.monotonic() < deadline, "no network-programming sample"
+            await asyncio.sleep(0.05)
+        # One sample of about 2 s: the trigger's age when the new endpoint was programmed.
+        assert 2.0 <= await scrape(f"{metric}_sum") < 5.0
