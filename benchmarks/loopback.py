@@ -96,7 +96,8 @@ def backend_main(conn: Connection, loop_kind: str) -> None:
         loop = asyncio.get_running_loop()
         server = await loop.create_server(_Reply, "127.0.0.1", 0, backlog=4096)
         conn.send({"sink": sink.getsockname()[:2], "rr": server.sockets[0].getsockname()[:2]})
-        await loop.run_in_executor(None, conn.recv)
+        with contextlib.suppress(EOFError):  # the parent went away
+            await loop.run_in_executor(None, conn.recv)
 
     _run(main(), loop_kind)
 
@@ -134,8 +135,9 @@ def proxy_main(
             await listener.start()
             listeners[name] = listener
         conn.send({name: lst.port for name, lst in listeners.items()})
-        await loop.run_in_executor(None, conn.recv)
-        conn.send({name: lst.stats.spliced for name, lst in listeners.items()})
+        with contextlib.suppress(EOFError, BrokenPipeError):  # EOF: the parent went away
+            await loop.run_in_executor(None, conn.recv)
+            conn.send({name: lst.stats.spliced for name, lst in listeners.items()})
 
     _run(main(), loop_kind)
 

@@ -403,6 +403,21 @@ async def test_reset_by_the_backend_resets_the_client(
     await eventually(lambda: listener.active_connections == 0, what="connection gone")
 
 
+async def test_reset_by_the_client_closes_the_backend_connection(
+    tcp_backends: Backends, tcp_listener: Listeners, round_robin: Any, eventually: Eventually
+) -> None:
+    backend = await tcp_backends("echo")
+    listener = await tcp_listener(round_robin(backend.address))
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    writer.write(b"ping")
+    assert await asyncio.wait_for(reader.readexactly(4), 5) == b"ping"
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    writer.transport.abort()  # close with linger 0: RST
+    await eventually(lambda: backend.open_connections == 0, what="backend side closed")
+    await eventually(lambda: listener.active_connections == 0, what="proxy side closed")
+
+
 # --- scale
 
 
