@@ -136,9 +136,10 @@ def test_resync_without_changes_commits_nothing(node: Netns, backend: str) -> No
 
 @pytest.mark.parametrize("backend", ["iptc", "restore"])
 def test_one_changed_port_is_one_small_commit(node: Netns, backend: str) -> None:
-    result = drive(node, backend, ["apply", 30], ["apply", 30, 500])
-    before, after = (step["commits"] for step in result["steps"])
-    assert after - before == 1  # the last port has IPv4 nat rules only
+    steps = (["apply", 30], ["apply", 30, 500], ["apply", 30, 500])
+    before, after, resync = drive(node, backend, *steps)["steps"]
+    assert after["commits"] - before["commits"] == 1  # the last port has IPv4 nat rules only
+    assert resync == after  # the state the commit left is recognised as ours: no repair
 
 
 @pytest.mark.parametrize("backend", ["iptc", "restore"])

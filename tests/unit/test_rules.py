@@ -269,7 +269,7 @@ def sync(
 
 
 def nat(ports: Sequence[ProxiedPort]) -> plan.TableRules:
-    return plan.group(render(ports, NODE), 4, "nat")
+    return plan.group(render(ports, NODE))[(4, "nat")]
 
 
 def services(indexes: Sequence[int], proxy_base: int = 40000) -> list[ProxiedPort]:

@@ -139,6 +139,8 @@ class Portals:
         self.backend = backend
         self._settings = Settings(tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev)
         self._applied: dict[tuple[Family, str], _Applied] = {}
+        self._rendered: dict[ProxiedPort, list[Rule]] = {}
+        self._leftover_families: set[Family] = set()
         self._lock = threading.Lock()
         self._warned_no_node_ip: set[Family] = set()
         self.commits = 0
@@ -150,26 +152,35 @@ class Portals:
         """The node's IPs changed (the node's own traffic is DNATed to them)."""
         if tuple(node_ips) != self._settings.node_ips:
             self._settings = replace(self._settings, node_ips=tuple(node_ips))
+            self._rendered = {}
 
     def render(self, ports: Sequence[ProxiedPort]) -> list[Rule]:
         """The complete desired rule set for `ports` (what `apply` makes the kernel hold)."""
         families = {f for ip in self._settings.node_ips if (f := ip_family(ip))}
-        families |= {f for f, _ in self._applied}
-        return render(ports, self._settings, families=families or {4})
+        families |= {f for f, _ in self._applied} | self._leftover_families
+        # Keep only this call's ports in the cache, so removed services do not pile up.
+        cache: dict[ProxiedPort, list[Rule]] = {}
+        previous = self._rendered
+        for pp in ports:
+            if pp in previous:
+                cache[pp] = previous[pp]
+        self._rendered = cache
+        return render(ports, self._settings, families=families or {4}, cache=cache)
 
     def apply(self, ports: Sequence[ProxiedPort]) -> None:
         """Make the kernel hold exactly the rules for `ports`; blocking; PortalsError on failure."""
         with self._lock:
-            rules = self.render(ports)
-            keys = {(r.family, r.table) for r in rules}
             if not self._applied:
-                keys |= self._leftovers()
-            keys |= set(self._applied)
+                self._leftover_families = {family for family, _ in self._leftovers()}
+            rules = self.render(ports)
+            keys = {(r.family, r.table) for r in rules} | set(self._applied)
             self._warn_missing_node_ips({r.family for r in rules})
             errors: list[PortalsError] = []
+            grouped = plan.group(rules)
             for family, table in sorted(keys):
+                want = grouped.get((family, table)) or plan.empty(family, table)
                 try:
-                    self._sync(family, table, plan.group(rules, family, table))
+                    self._sync(family, table, want)
                 except PortalsError as exc:
                     log.error("iptables %s table (IPv%d): %s", table, family, exc)
                     errors.append(exc)
@@ -232,15 +243,15 @@ class Portals:
                     )
             if step.ops:
                 try:
-                    backend.commit(family, table, step.ops)
+                    after = backend.commit(family, table, step.ops)
                 except PortalsError as exc:
                     if applied is None:
                         raise
                     log.warning("%s; replacing our chains in %s instead", exc, table)
                     step = plan.replace_all(want, backend.read(family, table))
-                    backend.commit(family, table, step.ops)
+                    after = backend.commit(family, table, step.ops)
                 self.commits += 1
-                view = backend.read(family, table)
+                view = after or backend.read(family, table)
                 log.debug(
                     "iptables %s (IPv%d): %d change(s) committed", table, family, len(step.ops)
                 )

@@ -55,6 +55,7 @@ LOCK_FILE = "/run/xtables.lock"
 LOCK_WAIT_SECONDS = 5.0
 _NAME_LEN = 29  # XT_EXTENSION_MAXNAMELEN - 1, the name field of match and target headers
 _COMMENT_LEN = 255
+_ZEROS = bytes(_NAME_LEN)
 
 
 def _align(n: int) -> int:
@@ -74,16 +75,17 @@ _VOLATILE = {f: (t.comefrom.offset, t.counters.offset + t.counters.size) for f, 
 
 def _tidy(buf: bytearray, family: Family) -> bytearray:
     """Zero the bytes after the NUL of every match and target name (left uninitialised)."""
-    target = int.from_bytes(buf[_TARGET_OFFSET[family] : _TARGET_OFFSET[family] + 2], "little")
+    at = _TARGET_OFFSET[family]
+    target = buf[at] | buf[at + 1] << 8
     pos = _HEADER[family]
-    while pos <= target:
+    while True:
         name = pos + 2
-        end = buf.index(0, name, name + _NAME_LEN)
-        buf[end : name + _NAME_LEN] = bytes(name + _NAME_LEN - end)
-        if pos == target:
-            break
-        pos += int.from_bytes(buf[pos : pos + 2], "little")
-    return buf
+        end = buf.find(0, name, name + _NAME_LEN)
+        if end >= 0:
+            buf[end : name + _NAME_LEN] = _ZEROS[: name + _NAME_LEN - end]
+        if pos >= target:
+            return buf
+        pos += buf[pos] | buf[pos + 1] << 8
 
 
 def _packed(address: str) -> bytes:
@@ -180,7 +182,7 @@ class Encoder:
     """Turns `Rule`s into libiptc entries: python-iptables builds, templates stamp."""
 
     def __init__(self) -> None:
-        self._templates: dict[Rule, _Template | None] = {}
+        self._templates: dict[tuple[object, ...], _Template | None] = {}
         # python-iptables looks for a chain of the target's name in every table it can open,
         # creating the legacy mangle/raw/security tables on the way; targets here never are
         # chains (jumps are patched in below), so tell it there are no tables to look in.
@@ -220,10 +222,22 @@ class Encoder:
     def encode(self, rule: Rule) -> bytearray:
         if len(rule.comment.encode()) > _COMMENT_LEN:
             raise PortalsError(f"comment longer than {_COMMENT_LEN} bytes: {rule.comment!r}")
-        key = _shape(rule, 0)
-        if key not in self._templates:
-            self._templates[key] = self._learn(key)
-        template = self._templates[key]
+        key = (
+            rule.family,
+            rule.target,
+            rule.protocol,
+            rule.dst.partition("/")[2] if rule.dst else "",
+            bool(rule.dport),
+            rule.physdev_not_in,
+            rule.dst_local,
+            rule.state_new,
+            bool(rule.to_port),
+            bool(rule.to_addr),
+        )
+        if key in self._templates:
+            template = self._templates[key]
+        else:
+            template = self._templates[key] = self._learn(_shape(rule, 0))
         return template.stamp(rule) if template is not None else self.build(rule)
 
     def _learn(self, shape: Rule) -> _Template | None:
@@ -264,6 +278,35 @@ def _entries(table: Any, chain: str) -> Iterator[Any]:
     while entry:
         yield entry
         entry = table.next_rule(entry)
+
+
+def _view(t: Any, family: Family, table: str) -> TableView:
+    """Fingerprints of our chains and the jumps into them, from a libiptc handle."""
+    start, end = _VOLATILE[family]
+    ours = CHAINS[table]
+    chains: dict[str, Hashable] = {}
+    jumps: list[Found] = []
+    referenced: set[str] = set()
+    for chain in t.chains:
+        name = chain.name
+        if name in ours:
+            digest = hashlib.blake2b(digest_size=16)
+            for entry in _entries(t, name):
+                raw = bytearray(ct.string_at(ct.addressof(entry), entry.next_offset))
+                raw[start:end] = bytes(end - start)  # hook bits and counters
+                # Name padding holds whatever the last writer's buffers held.
+                digest.update(_tidy(raw, family))
+            chains[name] = digest.digest()
+            continue
+        builtin = t.builtin_chain(name)
+        for index, entry in enumerate(_entries(t, name)):
+            target = (t.get_target(entry) or b"").decode()
+            if target in ours:
+                if builtin:
+                    jumps.append(Found(name, target, index))
+                else:
+                    referenced.add(target)
+    return TableView(chains, tuple(jumps), frozenset(referenced))
 
 
 class IptcBackend:
@@ -320,35 +363,11 @@ class IptcBackend:
         t = self._table(family, table)
         try:
             t.refresh()
-            start, end = _VOLATILE[family]
-            ours = CHAINS[table]
-            chains: dict[str, Hashable] = {}
-            jumps: list[Found] = []
-            referenced: set[str] = set()
-            for chain in t.chains:
-                name = chain.name
-                if name in ours:
-                    digest = hashlib.blake2b(digest_size=16)
-                    for entry in _entries(t, name):
-                        raw = bytearray(ct.string_at(ct.addressof(entry), entry.next_offset))
-                        raw[start:end] = bytes(end - start)  # hook bits and counters
-                        # Name padding holds whatever the last writer's buffers held.
-                        digest.update(_tidy(raw, family))
-                    chains[name] = digest.digest()
-                    continue
-                builtin = t.builtin_chain(name)
-                for index, entry in enumerate(_entries(t, name)):
-                    target = (t.get_target(entry) or b"").decode()
-                    if target in ours:
-                        if builtin:
-                            jumps.append(Found(name, target, index))
-                        else:
-                            referenced.add(target)
+            return _view(t, family, table)
         except iptc.IPTCError as exc:
             raise PortalsError(f"cannot read the {table} table (IPv{family}): {exc}") from exc
-        return TableView(chains, tuple(jumps), frozenset(referenced))
 
-    def commit(self, family: Family, table: str, ops: Sequence[Op]) -> None:
+    def commit(self, family: Family, table: str, ops: Sequence[Op]) -> TableView | None:
         """Apply `ops` to the table as last read, then commit it in one replace."""
         if family == 6:
             return self._v6().commit(family, table, ops)
@@ -356,11 +375,15 @@ class IptcBackend:
         try:
             for op in ops:
                 self._do(t, op)
+            # libiptc's copy now holds exactly what the commit installs, and the caller holds
+            # the xtables lock, so this is the table right after the commit.
+            after = _view(t, family, table)
             t.commit()
         except iptc.IPTCError as exc:
             raise PortalsError(f"cannot update the {table} table (IPv{family}): {exc}") from exc
         finally:
             t.refresh()  # drop anything uncommitted
+        return after
 
     def _do(self, t: Any, op: Op) -> None:
         if isinstance(op, ResetChain):

@@ -99,8 +99,12 @@ class Backend(Protocol):
 
     def read(self, family: Family, table: str) -> TableView: ...
 
-    def commit(self, family: Family, table: str, ops: Sequence[Op]) -> None:
-        """Apply `ops` in order as one atomic change of `table`; PortalsError on failure."""
+    def commit(self, family: Family, table: str, ops: Sequence[Op]) -> TableView | None:
+        """Apply `ops` in order as one atomic change of `table`; PortalsError on failure.
+
+        Returns the table as the commit left it when the backend knows it without reading it
+        again (None: call `read`).
+        """
         ...
 
 
@@ -114,18 +118,28 @@ class TableRules:
     jumps: tuple[Rule, ...]
 
 
-def group(rules: Sequence[Rule], family: Family, table: str) -> TableRules:
-    """The rules of one family and table from a rendered list, every chain of ours present."""
-    chains: dict[str, list[Rule]] = {c: [] for c in CHAINS[table]}
-    jumps: list[Rule] = []
+def group(rules: Sequence[Rule]) -> dict[tuple[Family, str], TableRules]:
+    """A rendered list split by family and table, every chain of ours present in each."""
+    chains: dict[tuple[Family, str], dict[str, list[Rule]]] = {}
+    jumps: dict[tuple[Family, str], list[Rule]] = {}
     for rule in rules:
-        if rule.family != family or rule.table != table:
-            continue
+        key = (rule.family, rule.table)
+        if key not in chains:
+            chains[key] = {c: [] for c in CHAINS[rule.table]}
+            jumps[key] = []
         if rule.is_jump:
-            jumps.append(rule)
+            jumps[key].append(rule)
         else:
-            chains[rule.chain].append(rule)
-    return TableRules(family, table, {c: tuple(r) for c, r in chains.items()}, tuple(jumps))
+            chains[key][rule.chain].append(rule)
+    return {
+        key: TableRules(key[0], key[1], {c: tuple(r) for c, r in cs.items()}, tuple(jumps[key]))
+        for key, cs in chains.items()
+    }
+
+
+def empty(family: Family, table: str) -> TableRules:
+    """The desired content of a table that no rule needs (our chains stay, empty)."""
+    return TableRules(family, table, dict.fromkeys(CHAINS[table], ()), ())
 
 
 @dataclass(slots=True)
@@ -200,6 +214,9 @@ def update(
         intact = chain in view.chains and view.chains[chain] == fingerprints.get(chain)
         if have is None or not intact:
             repaired.append(chain)
+        if have is not None and intact and have == rules:  # same objects: fast
+            chains[chain] = rules
+            continue
         if have is not None and intact:
             wanted = set(rules)
             gone = [i for i, r in enumerate(have) if r not in wanted]

@@ -57,12 +57,13 @@ OUR_CHAINS = frozenset(c for chains in CHAINS.values() for c in chains)
 _ANY = {"0.0.0.0", "::", ""}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Rule:
     """One iptables rule; `line` is exactly what `iptables-save` prints for it.
 
     Built-in chain jumps (`chain` PREROUTING/OUTPUT/INPUT, `target` one of ours) set `prepend`
-    when they must come before anything else in that chain.
+    when they must come before anything else in that chain. Two rules are equal when they are
+    the same text in the same chain of the same table and family.
     """
 
     family: Family
@@ -79,11 +80,13 @@ class Rule:
     to_port: int = 0
     to_addr: str = ""
     prepend: bool = False
-    why: str = field(default="", compare=False)
+    why: str = ""
+    spec: str = field(init=False, repr=False)
+    """The rule without `-A CHAIN`, in iptables-save's order of fields."""
+    _hash: int = field(init=False, repr=False)
 
-    @property
-    def spec(self) -> str:
-        """The rule without `-A CHAIN`, in iptables-save's order of fields."""
+    def __post_init__(self) -> None:
+        # Rendered once: a sync compares tens of thousands of rules by their text.
         parts: list[str] = []
         if self.dst:
             parts += ["-d", self.dst]
@@ -103,7 +106,23 @@ class Rule:
             parts += ["--to-ports", str(self.to_port)]
         elif self.target == "DNAT":
             parts += ["--to-destination", join_host_port(self.to_addr, self.to_port)]
-        return " ".join(parts)
+        spec = " ".join(parts)
+        object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "_hash", hash((self.family, self.table, self.chain, spec)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Rule):
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.spec == other.spec
+            and self.chain == other.chain
+            and self.table == other.table
+            and self.family == other.family
+        )
 
     @property
     def line(self) -> str:
@@ -183,6 +202,15 @@ class _Renderer:
         if rule not in self._seen:
             self._seen.add(rule)
             self.rules.append(rule)
+
+    def cached(self, pp: ProxiedPort, cache: dict[ProxiedPort, list[Rule]]) -> list[Rule]:
+        """The rules of one port, rendered once per distinct ProxiedPort."""
+        rules = cache.get(pp)
+        if rules is None:
+            sub = _Renderer(self.s)
+            sub.port(pp)
+            rules = cache[pp] = sub.rules
+        return rules
 
     def container(self, match: Rule, chain: str, to_port: int, why: str) -> None:
         """A rule for arriving packets: REDIRECT, or DNAT to a specific bind address."""
@@ -314,20 +342,29 @@ class _Renderer:
             )
 
 
+def _order(pp: ProxiedPort) -> tuple[str, str, str, str]:
+    n = pp.info.name  # a plain tuple sorts in C; the dataclass's generated __lt__ does not
+    return (n.namespace, n.name, n.port, n.protocol)
+
+
 def render(
     ports: Iterable[ProxiedPort],
     settings: Settings,
     *,
     families: Iterable[Family] = (),
+    cache: dict[ProxiedPort, list[Rule]] | None = None,
 ) -> list[Rule]:
     """Every rule for `ports`: the built-in chain jumps of each family in use, then our chains.
 
     Ordered by family, table, then service port name; duplicates dropped. A family is in use
-    when a rule needs it or it is listed in `families` (IPv4 when nothing is).
+    when a rule needs it or it is listed in `families` (IPv4 when nothing is). `cache` keeps
+    each port's rules between calls with the same settings (the caller drops stale entries).
     """
     r = _Renderer(settings)
-    for pp in sorted(ports, key=lambda p: p.info.name):
-        r.port(pp)
+    memo: dict[ProxiedPort, list[Rule]] = {} if cache is None else cache
+    for pp in sorted(ports, key=_order):
+        for rule in r.cached(pp, memo):
+            r.add(rule)
     used = set(families) | {rule.family for rule in r.rules} or {4}
     out: list[Rule] = []
     for family in sorted(used):
