@@ -60,10 +60,10 @@ class _Backend(asyncio.Protocol):
     def eof_received(self) -> bool:
         c = self.client
         c.out_done = True
-        if c.transport.can_write_eof():
-            c.transport.write_eof()
         if c.in_done:
-            c.finish()
+            c.finish()  # close() sends the FIN after the buffered bytes: no shutdown() needed
+        elif c.transport.can_write_eof():
+            c.transport.write_eof()
         return True
 
     def pause_writing(self) -> None:
@@ -158,10 +158,10 @@ class _Client(asyncio.Protocol):
         self.in_done = True
         b = self.backend
         if b is not None:
-            if b.transport.can_write_eof():
-                b.transport.write_eof()
             if self.out_done:
                 self.finish()
+            elif b.transport.can_write_eof():
+                b.transport.write_eof()
         return True
 
     def pause_writing(self) -> None:
