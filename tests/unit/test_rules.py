@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kube_userspace_proxy.model import Protocol, ProxiedPort, ServicePortInfo, ServicePortName
 from kube_userspace_proxy.portals import plan
-from kube_userspace_proxy.portals.restore import restore_text, view_of
+from kube_userspace_proxy.portals.restore import predict, restore_text, view_of
 from kube_userspace_proxy.portals.rules import (
     CHAINS,
     CONTAINER_NODEPORTS,
@@ -446,3 +447,27 @@ def test_restore_text_declares_resets_first_and_prepends_with_insert() -> None:
         "-X KUBE-NODEPORT-HOST",
         "COMMIT",
     ]
+
+
+def test_predicted_table_follows_appends_deletes_and_resets() -> None:
+    two = [port(), port(cluster_ips=("10.96.0.20",))]
+    a, b = (r for r in render(two, NODE) if r.chain == CONTAINER_PORTALS)
+    view = plan.TableView({CONTAINER_PORTALS: (a.spec, "x"), HOST_PORTALS: ("y",)})
+    after = predict(
+        view,
+        [
+            plan.Delete(CONTAINER_PORTALS, 0, a.spec),
+            plan.Append(replace(a, chain=CONTAINER_PORTALS)),
+            plan.ResetChain(HOST_PORTALS),
+            plan.Append(replace(b, chain=HOST_PORTALS)),
+        ],
+    )
+    assert after is not None
+    assert after.chains == {CONTAINER_PORTALS: ("x", a.spec), HOST_PORTALS: (b.spec,)}
+
+
+def test_prediction_gives_up_when_jumps_change_or_a_delete_misses() -> None:
+    jump = next(r for r in render([], NODE) if r.is_jump)
+    view = plan.TableView({CONTAINER_PORTALS: ("x",)})
+    assert predict(view, [plan.Prepend(jump)]) is None
+    assert predict(view, [plan.Delete(CONTAINER_PORTALS, 0, "not there")]) is None
