@@ -73,9 +73,9 @@ def run_in_namespace(backend: str, size: int, repeat: int) -> dict[str, Any]:
     ns = f"kupbench{os.getpid()}{backend[:4]}{size}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
+        worker_args = ["--worker", backend, str(size), str(repeat)]
         done = subprocess.run(
-            ["ip", "netns", "exec", ns, sys.executable, __file__, "--worker", backend, str(size)]
-            + [str(repeat)],
+            ["ip", "netns", "exec", ns, sys.executable, __file__, *worker_args],
             check=True,
             capture_output=True,
             text=True,
