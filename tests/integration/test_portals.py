@@ -188,3 +188,46 @@ def test_iptc_waits_for_the_xtables_lock(node: Netns, tmp_path: Path) -> None:
     assert proc.returncode == 0
     assert time.monotonic() - started >= held
     assert json.loads(out)["steps"][0]["commits"] >= 1
+
+
+STAMPS = textwrap.dedent(
+    """
+    import json, random
+    from kube_userspace_proxy.model import *
+    from kube_userspace_proxy.portals.iptc import Encoder
+    from kube_userspace_proxy.portals.rules import Settings, render
+
+    rng = random.Random(7)
+    ports = []
+    for i in range(120):
+        proto = rng.choice([Protocol.TCP, Protocol.UDP])
+        name = ServicePortName("ns-%d" % rng.randrange(99), "svc-" + "x" * rng.randrange(40), "p")
+        ip = lambda: "10.%d.%d.%d" % (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+        info = ServicePortInfo(
+            ServicePortName(name.namespace, name.name + str(i), "p", proto),
+            rng.randrange(1, 65536), (ip(),),
+            node_port=rng.choice([0, rng.randrange(30000, 32768)]),
+            external_ips=(ip(),) if rng.random() < 0.3 else (),
+            load_balancer_ips=(ip(),) if rng.random() < 0.3 else (),
+        )
+        port = rng.randrange(1, 65536)
+        ports.append(ProxiedPort(info, port, rng.choice([port, rng.randrange(1, 65536)])))
+    bind = ["0.0.0.0", "10.244.0.7"]
+    rules = []
+    for b in bind:
+        s = Settings(("10.244.%d.1" % rng.randrange(256),), b, ("10.244.0.0/16",))
+        rules += [r for r in render(ports, s) if r.family == 4]
+    encoder = Encoder()
+    bad = [r.line for r in rules if encoder.encode(r) != encoder.build(r)]
+    templated = sum(t is not None for t in encoder._templates.values())
+    print(json.dumps({"rules": len(rules), "bad": bad[:5], "shapes": len(encoder._templates),
+                      "templated": templated}))
+    """
+)
+
+
+def test_iptc_templates_stamp_what_python_iptables_builds(node: Netns) -> None:
+    result = json.loads(node.python(STAMPS, timeout=300))
+    assert result["bad"] == []
+    assert result["rules"] > 400
+    assert result["templated"] == result["shapes"] >= 8

@@ -146,7 +146,7 @@ class Portals:
         self.commits = 0
         """Commits made (a sync with nothing to change makes none)."""
         self.repairs = 0
-        """Syncs that found our rules changed by someone else and put them back."""
+        """Tables found changed by someone else at a sync (and put back), counted per table."""
 
     def set_node_ips(self, node_ips: Sequence[str]) -> None:
         """The node's IPs changed (the node's own traffic is DNATed to them)."""

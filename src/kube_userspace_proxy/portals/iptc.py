@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import iptc
 
@@ -135,14 +135,17 @@ def _spans(a: bytes, b: bytes) -> list[tuple[int, int]]:
     return runs
 
 
+_Order = Literal["big", "little"]
+
+
 @dataclass(frozen=True, slots=True)
 class _Template:
     """A rule shape's bytes and where its variable fields go."""
 
     buf: bytes
     dst: int | None
-    ports: tuple[tuple[int, str], ...]  # (offset, byte order) of each copy of the dport
-    to_ports: tuple[tuple[int, str], ...]
+    ports: tuple[tuple[int, _Order], ...]  # (offset, byte order) of each copy of the dport
+    to_ports: tuple[tuple[int, _Order], ...]
     to_addrs: tuple[int, ...]
     comment: int
 
@@ -152,9 +155,9 @@ class _Template:
             addr = ipaddress.ip_network(rule.dst).network_address.packed
             buf[self.dst : self.dst + len(addr)] = addr
         for off, order in self.ports:
-            buf[off : off + 2] = rule.dport.to_bytes(2, order)  # type: ignore[arg-type]
+            buf[off : off + 2] = rule.dport.to_bytes(2, order)
         for off, order in self.to_ports:
-            buf[off : off + 2] = rule.to_port.to_bytes(2, order)  # type: ignore[arg-type]
+            buf[off : off + 2] = rule.to_port.to_bytes(2, order)
         if self.to_addrs:
             addr = _packed(rule.to_addr)
             for off in self.to_addrs:
@@ -164,8 +167,8 @@ class _Template:
         return buf
 
 
-def _port_fields(base: bytes, other: bytes) -> tuple[tuple[int, str], ...] | None:
-    fields = []
+def _port_fields(base: bytes, other: bytes) -> tuple[tuple[int, _Order], ...] | None:
+    fields: list[tuple[int, _Order]] = []
     for start, end in _spans(base, other):
         for off in range(start, end, 2):
             chunk = base[off : off + 2]

@@ -20,7 +20,7 @@ import shutil
 import socket
 import struct
 import subprocess
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import PortalsError
@@ -241,8 +241,3 @@ class RestoreBackend:
         if after is not None:
             self._known[(family, table)] = (before + 1, after)
         return after
-
-
-def lines(text: str) -> Iterator[str]:
-    """The rule lines of iptables-save output (for tests and the benchmark)."""
-    return (line for line in text.splitlines() if line.startswith("-A "))
