@@ -123,9 +123,9 @@ async def test_traffic_keeps_a_session_alive_past_the_idle_timeout(
 ) -> None:
     backend = await udp_backends("a")
     stats = ConnStats()
-    listener = await udp_listener(round_robin(backend.address), stats=stats, idle_timeout=0.3)
+    listener = await udp_listener(round_robin(backend.address), stats=stats, idle_timeout=0.5)
     client = await clients()
-    for _ in range(8):  # 8 x 0.1 s > 0.3 s, one session throughout
+    for _ in range(10):  # 10 x 0.1 s > 0.5 s, one session throughout
         client.send(b"x", listener.port)
         await client.receive()
         await asyncio.sleep(0.1)
