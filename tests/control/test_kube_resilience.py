@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+from aiohttp import web
+
 from tests.control.conftest import (
     StartSource,
     Watching,
     endpoint_slice,
     eventually,
     ips_of,
+    node,
     service,
 )
 from tests.fakes.apiserver import FakeApiServer
@@ -214,7 +217,7 @@ async def test_hung_request_times_out_and_is_retried(
     apiserver: FakeApiServer, start_source: StartSource
 ) -> None:
     apiserver.create(service("web"))
-    apiserver.hang_next(1)  # the first request (one of the lists) never gets an answer
+    apiserver.hang_next(1, plural="services", verb="list")  # never answered
     started = time.monotonic()
     watching = await start_source(wait_listed=False, request_timeout=0.5)
     await eventually(lambda: watching.state.listed, timeout=3.0, what="both lists")
@@ -259,3 +262,25 @@ async def test_watch_closed_at_once_is_retried_with_backoff(
     apiserver.end_watches_at_once = False
     apiserver.create(service("api", cluster_ip="10.96.0.11"))
     await eventually(lambda: watching.services() == {"web", "api"}, what="the new service")
+
+
+async def test_expired_continue_token_restarts_the_list(
+    apiserver: FakeApiServer, start_source: StartSource
+) -> None:
+    names = {f"svc-{i}" for i in range(5)}
+    for i, name in enumerate(sorted(names)):
+        apiserver.create(service(name, cluster_ip=f"10.96.0.{20 + i}"))
+    compacted: list[str] = []
+
+    def compact_once_mid_list(request: web.Request) -> None:
+        if "continue" in request.query and not compacted:
+            compacted.append(request.query["continue"])
+            apiserver.create(node("elsewhere"))  # history moves on ...
+            apiserver.compact()  # ... and forgets the version the token was listed at
+
+    apiserver.before_request = compact_once_mid_list
+    watching = await start_source(page_size=2)
+    assert watching.services() == names
+    # Page 1, page 2 (410: token expired), then pages 1-3 again from scratch.
+    assert apiserver.count("services", "list") == 5
+    assert [r.status for r in apiserver.records("services", "list")] == [200, 410, 200, 200, 200]

@@ -132,7 +132,9 @@ async def test_state_is_not_listed_until_both_lists_are_in(
 ) -> None:
     apiserver.create(service("web"))
     apiserver.fail_next(3, 500, plural="endpointslices", verb="list")
-    watching = await start_source(wait_listed=False)
+    # Backoff from 0.2 s: the slice list cannot succeed before ~0.7 s, the Service watch is
+    # up within milliseconds.
+    watching = await start_source(wait_listed=False, backoff_initial=0.2)
     await eventually(
         lambda: apiserver.count("services", "watch") >= 1, what="the Service watch to start"
     )

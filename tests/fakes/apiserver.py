@@ -214,6 +214,8 @@ class FakeApiServer:
         self.gone_as_http_status = gone_as_http_status
         self.end_watches_at_once = False
         """Fault switch: every new watch ends cleanly right after its headers."""
+        self.before_request: Callable[[web.Request], None] | None = None
+        """Test hook, called as each resource request arrives (before any fault applies)."""
         self.requests: list[RequestRecord] = []
         self._rv = 1
         self._floor = 1  # history holds every event with rv > floor
@@ -221,7 +223,7 @@ class FakeApiServer:
         self._history: deque[_Event] = deque()
         self._watchers: set[_Watcher] = set()
         self._faults: list[_Fault] = []
-        self._hang_remaining = 0
+        self._hangs: list[_Fault] = []
         self._hang_release = asyncio.Event()
         self._continues: dict[str, tuple[int, list[Obj], str]] = {}
         self._runner: web.AppRunner | None = None
@@ -313,13 +315,16 @@ class FakeApiServer:
     def clear_faults(self) -> None:
         """Cancel pending failures and release hung requests."""
         self._faults.clear()
-        self._hang_remaining = 0
+        self._hangs.clear()
         self._hang_release.set()
         self._hang_release = asyncio.Event()
 
-    def hang_next(self, count: int) -> None:
-        """Accept the next `count` resource requests and never answer them (until stop)."""
-        self._hang_remaining += count
+    def hang_next(self, count: int, *, plural: str | None = None, verb: str | None = None) -> None:
+        """Accept the next `count` matching resource requests and never answer them.
+
+        They hang until `clear_faults()` or `stop()`.
+        """
+        self._hangs.append(_Fault(count, 0, None, plural, verb))
 
     def send_bookmarks(self) -> None:
         """Send a BOOKMARK with the current resourceVersion to watches that allow bookmarks."""
@@ -461,8 +466,11 @@ class FakeApiServer:
         status = 0
         try:
             if verb != "discovery":
-                if self._hang_remaining > 0:
-                    self._hang_remaining -= 1
+                if self.before_request is not None:
+                    self.before_request(request)
+                hang = next((h for h in self._hangs if h.applies(plural, verb)), None)
+                if hang is not None:
+                    hang.remaining -= 1
                     await self._hang_release.wait()
                 for fault in self._faults:
                     if fault.applies(plural, verb):

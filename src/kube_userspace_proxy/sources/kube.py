@@ -445,19 +445,19 @@ def _retry_after(value: str | None) -> float | None:
 
 async def _json_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
     """Lines of a watch stream of any length (aiohttp's readline caps line size)."""
-    buffer = b""
+    buffer = bytearray()
     async for chunk in content.iter_any():
         buffer += chunk
         start = 0
         end = buffer.find(b"\n")
         while end >= 0:
             if end > start:
-                yield buffer[start:end]
+                yield bytes(buffer[start:end])
             start = end + 1
             end = buffer.find(b"\n", start)
-        buffer = buffer[start:]
+        del buffer[:start]
     if buffer.strip():
-        yield buffer
+        yield bytes(buffer)
 
 
 def _describe(exc: BaseException) -> str:
