@@ -159,3 +159,20 @@ async def test_trigger_time_feeds_the_network_programming_metric(
             await asyncio.sleep(0.05)
         # One sample of about 2 s: the trigger's age when the new endpoint was programmed.
         assert 2.0 <= await scrape(f"{metric}_sum") < 5.0
+
+
+async def test_internal_traffic_policy_local_uses_only_this_nodes_endpoints(
+    apiserver: FakeApiServer, kubeconfig: str, backends: Backends
+) -> None:
+    (local, port_local), (remote, port_remote) = await backends(["pod-here", "pod-there"])
+    apiserver.create(service("web", internalTrafficPolicy="Local"))
+    apiserver.create(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_local, node_name=NODE))
+    apiserver.create(
+        endpoint_slice("web-b", "web", ["127.0.0.1"], port=port_remote, node_name="node-2")
+    )
+    async with running_proxy(kube_config(kubeconfig)) as proxy:
+        await eventually(lambda: programmed(proxy), what="web's endpoint programmed")
+        port = proxy.proxier.port_of(WEB)
+        answers = Counter([await ask(port) for _ in range(10)])
+    assert answers == {local: 10}
+    assert remote not in answers
