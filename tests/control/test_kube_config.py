@@ -51,7 +51,7 @@ async def test_master_overrides_the_kubeconfig_server(
 
 async def test_missing_kubeconfig_is_a_config_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
-    with pytest.raises(ConfigError, match="nope"):
+    with pytest.raises(ConfigError, match="nope: no such file"):
         await load_client_configuration(str(missing))
 
 

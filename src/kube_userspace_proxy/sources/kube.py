@@ -60,6 +60,9 @@ async def load_client_configuration(
     path = kubeconfig or os.environ.get("KUBECONFIG") or None
     loader = None
     if path:
+        # Like kubectl: of a `:`-separated $KUBECONFIG, missing files are skipped; none is an error.
+        if not any(os.path.isfile(p) for p in path.split(os.pathsep) if p):
+            raise ConfigError(f"cannot load kubeconfig {path}: no such file")
         try:
             loader = await kconfig.load_kube_config(
                 config_file=path, client_configuration=configuration, persist_config=False
