@@ -274,20 +274,26 @@ async def test_a_slow_dial_does_not_block_other_accepts(
 
 
 @BOTH_LOOPS
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
 async def test_no_endpoints_refuses_connections_and_keeps_the_port(
     tcp_listener: Listeners,
     round_robin: Any,
+    host: str,
 ) -> None:
     stats = ConnStats()
-    listener = await tcp_listener(round_robin(), stats=stats)
+    try:
+        listener = await tcp_listener(round_robin(), stats=stats, host=host)
+    except OSError as exc:  # pragma: no cover - a host without IPv6 loopback
+        pytest.skip(f"cannot bind {host}: {exc}")
     with pytest.raises(ConnectionRefusedError):
-        connect_blocking(listener.port)
+        connect_blocking(listener.port, host)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for reuse in (False, True):
-        intruder = socket.socket()
+        intruder = socket.socket(family)
         if reuse:
             intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         with pytest.raises(OSError, match="in use"):
-            intruder.bind(("127.0.0.1", listener.port))
+            intruder.bind((host, listener.port))
         intruder.close()
     assert stats.accepted == 0
     assert not listener.accepting
