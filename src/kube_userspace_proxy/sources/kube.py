@@ -60,8 +60,7 @@ async def load_client_configuration(
     path = kubeconfig or os.environ.get("KUBECONFIG") or None
     loader = None
     if path:
-        # Like kubectl: of a `:`-separated $KUBECONFIG, missing files are skipped; none is an error.
-        if not any(os.path.isfile(p) for p in path.split(os.pathsep) if p):
+        if not _any_file(path):
             raise ConfigError(f"cannot load kubeconfig {path}: no such file")
         try:
             loader = await kconfig.load_kube_config(
@@ -82,6 +81,11 @@ async def load_client_configuration(
                 f"config is unusable ({exc}); run in a pod or pass --kubeconfig"
             ) from exc
     return configuration, loader
+
+
+def _any_file(paths: str) -> bool:
+    """Like kubectl: of a `:`-separated $KUBECONFIG, missing files are skipped; none is an error."""
+    return any(os.path.isfile(p) for p in paths.split(os.pathsep) if p)
 
 
 class RateLimiter:
