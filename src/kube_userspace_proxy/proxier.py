@@ -80,6 +80,8 @@ class Proxier:
         self._served: dict[ServicePortName, _Served] = {}
         self._errors: dict[ServicePortName, str] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        # Closed listeners whose connections may still be open; drained at shutdown.
+        self._retired: list[Listener] = []
         self.node_name: str | None = None
 
     def set_rule_sink(self, portals: RuleSink | None) -> None:
@@ -242,6 +244,8 @@ class Proxier:
         task = asyncio.get_running_loop().create_task(listener.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+        self._retired = [old for old in self._retired if old.active_connections]
+        self._retired.append(listener)
 
     def _report(self, name: ServicePortName, message: str) -> None:
         if self._errors.get(name) != message:
@@ -254,8 +258,10 @@ class Proxier:
         await asyncio.gather(*(lst.close() for lst in listeners), return_exceptions=True)
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+        listeners.extend(self._retired)
         await asyncio.gather(*(lst.drain(grace) for lst in listeners), return_exceptions=True)
         self._served.clear()
+        self._retired.clear()
 
     # ---- views for rules, metrics and /debug/state ------------------------------------------
 

@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 import pytest
@@ -171,3 +172,43 @@ async def test_healthz_is_200_after_the_first_sync(tmp_path: Path) -> None:
             assert response.status == 200
             body = json.loads(await response.text())
     assert body["nodeEligible"] is True and body["lastUpdated"]
+
+
+class _Echo(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(data)
+
+
+async def test_a_removed_service_lets_open_connections_finish_until_shutdown_grace(
+    tmp_path: Path,
+) -> None:
+    echo = await asyncio.get_running_loop().create_server(_Echo, "127.0.0.1", 0)
+    echo_port = echo.sockets[0].getsockname()[1]
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(
+        manifest,
+        [
+            service("web", [{"name": "http", "port": 80}]),
+            *endpoint_slice("web", "http", [("127.0.0.1", echo_port)]),
+        ],
+    )
+    try:
+        async with running_proxy(loopback_config(manifest, shutdown_grace=0.5)) as proxy:
+            port = proxy.proxier.port_of(WEB)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"one")
+            assert await reader.readexactly(3) == b"one"
+            write_manifests(manifest, [])
+            await wait_for(lambda: _refused(port), 2.0, "listener closed")
+            # The connection opened before the removal still works.
+            writer.write(b"two")
+            assert await reader.readexactly(3) == b"two"
+        # Shutdown waited its grace, then ended the idle connection.
+        assert await asyncio.wait_for(reader.read(), 2) == b""
+        writer.close()
+    finally:
+        echo.close()
+        await echo.wait_closed()
