@@ -27,7 +27,7 @@ from kube_userspace_proxy.ops import OpsServer, start_ops
 from kube_userspace_proxy.portals import Portals, explain, make_backend
 from kube_userspace_proxy.ports import PortAllocator, parse_port_range
 from kube_userspace_proxy.proxier import Proxier, RuleSink, local_addresses_in
-from kube_userspace_proxy.sources.kube import KubeSource
+from kube_userspace_proxy.sources.kube import KubeSource, load_client_configuration
 from kube_userspace_proxy.sources.manifests import ManifestSource
 from kube_userspace_proxy.state import ClusterState
 from kube_userspace_proxy.sync import BoundedFrequencyRunner
@@ -199,6 +199,10 @@ async def serve(
     log.info("kube-userspace-proxy starting (userspace mode, RLIMIT_NOFILE=%d)", limit)
     proxy = build(config)
     proxy.synced_once = asyncio.Event()
+    source = make_source(config, proxy.state)
+    if isinstance(source, KubeSource):
+        # A bad kubeconfig is a configuration error (exit 2), found before anything runs.
+        await load_client_configuration(config.kubeconfig or None, config.master or None)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -216,7 +220,6 @@ async def serve(
     except ProxyError as exc:
         log.error("%s", exc)
         return 1
-    source = make_source(config, proxy.state)
     tasks = [
         asyncio.create_task(source.run(), name="source"),
         asyncio.create_task(proxy.runner.loop(), name="sync"),

@@ -14,7 +14,7 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
-from kube_userspace_proxy import logs
+from kube_userspace_proxy import logs, netutil
 from kube_userspace_proxy.model import (
     DEFAULT_AFFINITY_TIMEOUT_SECONDS,
     Endpoint,
@@ -352,7 +352,7 @@ def trigger_time(obj: Mapping[str, Any]) -> float | None:
 
 
 def parse_node(node: Mapping[str, Any]) -> tuple[tuple[str, ...], bool]:
-    """(node IPs: InternalIP first, then ExternalIP; eligible to receive traffic)."""
+    """(node IPs as Kubernetes' GetNodeHostIPs ranks them; eligible to receive traffic)."""
     meta = _mapping(node, "metadata", "")
     eligible = not meta.get("deletionTimestamp")
     for i, taint in enumerate(_items(_mapping(node, "spec", ""), "taints", "spec.")):
@@ -360,19 +360,14 @@ def parse_node(node: Mapping[str, Any]) -> tuple[tuple[str, ...], bool]:
             raise Malformed(f"spec.taints[{i}]: expected an object, got {taint!r}")
         if taint.get("key") == TAINT_TO_BE_DELETED:
             eligible = False
-    by_type: dict[str, list[str]] = {"InternalIP": [], "ExternalIP": []}
     addresses = _items(_mapping(node, "status", ""), "addresses", "status.")
     for i, address in enumerate(addresses):
         where = f"status.addresses[{i}]"
         if not isinstance(address, Mapping):
             raise Malformed(f"{where}: expected an object, got {address!r}")
-        kind = address.get("type")
-        if kind in by_type:
-            ip = _ip(address.get("address"), f"{where}.address")
-            if ip not in by_type[kind]:
-                by_type[kind].append(ip)
-    ips = tuple(dict.fromkeys(by_type["InternalIP"] + by_type["ExternalIP"]))
-    return ips, eligible
+        if address.get("type") in {"InternalIP", "ExternalIP"}:
+            _ip(address.get("address"), f"{where}.address")
+    return netutil.node_ips(node), eligible
 
 
 # -- the state ------------------------------------------------------------------------------

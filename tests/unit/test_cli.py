@@ -74,3 +74,23 @@ def test_config_file_and_flags_merge(tmp_path) -> None:  # type: ignore[no-untyp
     assert config.proxy_port_range == "30000-30010"
     assert config.udp_idle_timeout == 0.5
     assert config.nodeport_addresses == ("10.0.0.0/8",)
+
+
+def test_a_missing_kubeconfig_exits_2_before_serving(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:  # type: ignore[no-untyped-def]
+    code = cli.main(
+        [
+            "run",
+            "--kubeconfig",
+            str(tmp_path / "absent"),
+            "--iptables-backend",
+            "none",
+            "--healthz-bind-address",
+            "",
+            "--metrics-bind-address",
+            "",
+        ]
+    )
+    assert code == 2
+    assert "absent" in capsys.readouterr().err

@@ -683,13 +683,27 @@ def node(**fields: Any) -> dict[str, Any]:
     return obj
 
 
-def test_node_ips_internal_first_then_external() -> None:
+def test_node_ips_are_the_primary_internal_ip_as_kubernetes_ranks_them() -> None:
+    # GetNodeHostIPs: the first InternalIP (ExternalIPs only when there is none), plus the
+    # first address of the other family on a dual-stack node.
     state = ClusterState(node_name="node-1")
     state.set_node(node())
     snap = state.snapshot()
-    assert snap.node_ips == ("10.0.0.5", "203.0.113.5")
+    assert snap.node_ips == ("10.0.0.5",)
     assert snap.node_name == "node-1"
     assert state.node_eligible
+
+
+def test_a_dual_stack_node_gives_one_ip_per_family() -> None:
+    state = ClusterState()
+    addresses = [
+        {"type": "ExternalIP", "address": "203.0.113.5"},
+        {"type": "InternalIP", "address": "10.0.0.5"},
+        {"type": "InternalIP", "address": "10.0.0.6"},
+        {"type": "InternalIP", "address": "fd00::5"},
+    ]
+    state.set_node(node(status={"addresses": addresses}))
+    assert state.snapshot().node_ips == ("10.0.0.5", "fd00::5")
 
 
 def test_node_being_deleted_is_not_eligible() -> None:
@@ -719,7 +733,7 @@ def test_malformed_node_keeps_previous_addresses(logged: pytest.LogCaptureFixtur
     state = ClusterState()
     state.set_node(node())
     state.set_node(node(status={"addresses": [{"type": "InternalIP", "address": "x"}]}))
-    assert state.snapshot().node_ips == ("10.0.0.5", "203.0.113.5")
+    assert state.snapshot().node_ips == ("10.0.0.5",)
     (line,) = lines(logged, logging.WARNING)
     assert line.startswith("skipping Node node-1: ")
 
