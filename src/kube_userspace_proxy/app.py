@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import resource
 import signal
 import time
@@ -85,10 +86,10 @@ def build(config: ProxyConfig) -> Proxy:
     node_name = netutil.node_name(config.hostname_override or None)
     health = ProxyHealth(config.sync_period)
     allocator = PortAllocator(parse_port_range(config.proxy_port_range), host=config.bind_address)
-    proxy: Proxy
+    learned_ips: list[tuple[str, ...]] = [()]  # the Node object's addresses, once known
 
     def node_ips() -> tuple[str, ...]:
-        return config.node_ips or proxy.node_ips
+        return config.node_ips or learned_ips[0]
 
     def node_port_addresses() -> Sequence[str]:
         if not config.nodeport_addresses:
@@ -101,7 +102,14 @@ def build(config: ProxyConfig) -> Proxy:
         node_port_addresses=node_port_addresses,
     )
     metrics = ProxyMetrics(proxier.port_stats, proxier.open_ports)
-    backend = make_backend(config.iptables_backend)
+    backend_kind = config.iptables_backend
+    if backend_kind == "auto" and os.geteuid() != 0:
+        log.warning(
+            "not running as root: serving proxy ports only, no iptables rules "
+            "(ClusterIPs and NodePorts are not captured; use --iptables-backend none to silence)"
+        )
+        backend_kind = "none"
+    backend = make_backend(backend_kind)
     if backend is not None:
         portals = Portals(
             backend,
@@ -131,7 +139,7 @@ def build(config: ProxyConfig) -> Proxy:
         services, endpoints = state.pending_service_changes, state.pending_endpoint_changes
         snapshot = state.snapshot()
         if snapshot.node_ips:
-            proxy.node_ips = snapshot.node_ips
+            learned_ips[0] = proxy.node_ips = snapshot.node_ips
         health.set_node_eligible(state.node_eligible)
         await proxier.sync(snapshot)
         metrics.add_changes(services, endpoints)
