@@ -182,6 +182,8 @@ class Connection(asyncio.Protocol):
         b = self.backend
         if b is not None:
             lst.stats.completed += 1
+            if lst.log_connections:
+                log.debug("%s: %s closed (%s)", lst.name, _peer(self.transport), exc or "normal")
             if not b.transport.is_closing():
                 if exc is None and self.in_done and self.out_done:
                     b.transport.close()
@@ -254,6 +256,13 @@ class Connection(asyncio.Protocol):
         """Flush what the client sent while dialing, then forward directly."""
         b = self.backend
         assert b is not None
+        if self.lst.log_connections:
+            log.debug(
+                "%s: %s -> %s",
+                self.lst.name,
+                _peer(self.transport),
+                _peer(b.transport),
+            )
         pending = self.pending
         self.pending = None
         if pending:
@@ -405,6 +414,11 @@ class Connection(asyncio.Protocol):
             self.fds = None
             os.close(fds[0])
             os.close(fds[1])
+
+
+def _peer(transport: Any) -> str:
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    return f"{peer[0]}:{peer[1]}" if peer else "?"
 
 
 def _shutdown_write(fd: int) -> None:

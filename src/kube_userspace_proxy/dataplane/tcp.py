@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from typing import Any
 
@@ -61,6 +62,8 @@ class TcpListener:
         self.picker = picker
         self.stats = stats
         self.name = name or f"tcp:{self._address[1]}"
+        # Per-connection lines only at -v 4 and above; decided once, not per connection.
+        self.log_connections = log.isEnabledFor(logging.DEBUG)
         self.dial_timeouts = dial_timeouts
         self.splice = splice
         self.high_water = high_water
