@@ -21,7 +21,6 @@ from kube_userspace_proxy.config import ProxyConfig
 from kube_userspace_proxy.metrics import sample_value
 from kube_userspace_proxy.model import ServicePortName
 from tests.control.conftest import NODE, endpoint_slice, eventually, service
-from tests.control.test_kube_resilience import OUTAGE_SECONDS
 from tests.fakes.apiserver import FakeApiServer
 from tests.loopback.proxyrun import ask, running_proxy, start_named_backends
 
@@ -99,6 +98,9 @@ async def test_endpoint_change_moves_traffic_to_the_new_endpoint(
         await asyncio.wait_for(moved(), 1.0)
 
 
+TRAFFIC_OUTAGE_SECONDS = 30.0  # as long as the issue asks; the state-level test uses 3 s
+
+
 async def test_outage_keeps_traffic_flowing_and_catches_up(
     apiserver: FakeApiServer, kubeconfig: str, backends: Backends
 ) -> None:
@@ -109,17 +111,16 @@ async def test_outage_keeps_traffic_flowing_and_catches_up(
         proxy_port = proxy.proxier.port_of(WEB)
         await apiserver.stop()
         apiserver.create(endpoint_slice("web-b", "web", ["127.0.0.1"], port=port_b))
-        # Throughout the outage (OUTAGE_SECONDS; the issue's 30 s, shortened) traffic keeps
-        # reaching the last known endpoint.
+        # Throughout a 30 s outage traffic keeps reaching the last known endpoint.
         answers: Counter[str] = Counter()
-        ends = time.monotonic() + OUTAGE_SECONDS
+        ends = time.monotonic() + TRAFFIC_OUTAGE_SECONDS
         while time.monotonic() < ends:
             answers[await ask(proxy_port)] += 1
             await asyncio.sleep(0.05)
         assert set(answers) == {a}
         await apiserver.start()
-        # Back: the slice created meanwhile is merged in (the client's backoff caps at 30 s by
-        # default; after ~3 s of failures it waits at most a few seconds).
+        # Back: the slice created meanwhile is merged in. After 30 s of failures the watch's
+        # backoff may have grown to its 30 s cap, so catching up may take that long.
         seen: set[str] = set()
 
         async def both() -> None:
@@ -127,7 +128,7 @@ async def test_outage_keeps_traffic_flowing_and_catches_up(
                 seen.add(await ask(proxy_port))
                 await asyncio.sleep(0.01)
 
-        await asyncio.wait_for(both(), 10.0)
+        await asyncio.wait_for(both(), 40.0)
 
 
 async def test_trigger_time_feeds_the_network_programming_metric(
