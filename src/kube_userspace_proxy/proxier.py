@@ -102,6 +102,11 @@ class Proxier:
                 await self._reconcile_port(name, info, snapshot)
             except (PortExhaustedError, PortInUseError, OSError) as exc:
                 self._report(name, str(exc))
+            except Exception as exc:
+                # A bug must cost one service port, not every Service's sync.
+                if self._errors.get(name) != repr(exc):
+                    log.exception("%s: unexpected error while syncing", name)
+                self._errors[name] = repr(exc)
         if self._portals is not None:
             await asyncio.to_thread(self._portals.apply, self.proxied_ports())
 
@@ -213,11 +218,17 @@ class Proxier:
                 sock.close()
                 failures.append(f"{address}:{info.node_port}: {exc.strerror}")
                 continue
+            except BaseException:
+                sock.close()
+                self._close_node_ports(served)
+                raise
             listener = self._make_listener(sock, pool, served.stats, str(info.name))
             served.node_port_listeners.append((address, listener))
             await listener.start()
         served.node_port = info.node_port
         if failures:
+            # Hold all or none, so that the next sync tries the whole NodePort again.
+            self._close_node_ports(served)
             raise PortInUseError(
                 f"can't hold NodePort {info.protocol}/{info.node_port} ({'; '.join(failures)});"
                 " traffic captured by the NodePort rules is still served"
