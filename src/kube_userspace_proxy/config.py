@@ -14,7 +14,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import ConfigError
+
+log = logs.get(__name__)
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _UNIT_SECONDS = {
@@ -300,7 +303,13 @@ def config_from_document(doc: Mapping[str, Any], *, source: str = "config") -> d
             if name == "nodeport_addresses":
                 if not isinstance(value, list):
                     raise fail(key, "expected a list of CIDRs")
-                # kube-proxy >= 1.29 accepts the special value "primary"; it means the node IPs.
+                # kube-proxy >= 1.29 accepts "primary" (the node IPs); here CIDRs only.
+                if "primary" in value:
+                    log.warning(
+                        "%s: nodePortAddresses 'primary' is not supported; give the node's "
+                        "CIDRs instead (NodePorts answer on every local address otherwise)",
+                        source,
+                    )
                 out[name] = tuple(str(v) for v in value if v != "primary")
             else:
                 out[name] = value
