@@ -11,7 +11,6 @@ is decoded: the client's model deserialisation is too slow for big clusters.
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import json
 import math
 import os
@@ -27,6 +26,12 @@ from kubernetes_asyncio import config as kconfig
 
 from kube_userspace_proxy import logs, netutil
 from kube_userspace_proxy.errors import ConfigError, ProxyError
+from kube_userspace_proxy.sources.retry import (
+    MAX_RETRY_AFTER,
+    Backoff,
+    RateLimiter,
+    parse_retry_after,
+)
 from kube_userspace_proxy.state import ClusterState
 
 log = logs.get(__name__)
@@ -88,60 +93,6 @@ def _any_file(paths: str) -> bool:
     return any(os.path.isfile(p) for p in paths.split(os.pathsep) if p)
 
 
-class RateLimiter:
-    """Token bucket: `qps` requests per second on average, bursts of `burst` (client-go's)."""
-
-    def __init__(
-        self, qps: float, burst: int, *, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self._qps = qps
-        self._burst = float(max(1, burst))
-        self._tokens = self._burst
-        self._clock = clock
-        self._last = clock()
-
-    async def acquire(self) -> None:
-        """Wait for a token; qps <= 0 means unlimited."""
-        if self._qps <= 0:
-            return
-        while True:
-            now = self._clock()
-            self._tokens = min(self._burst, self._tokens + (now - self._last) * self._qps)
-            self._last = now
-            if self._tokens >= 1:
-                self._tokens -= 1
-                return
-            await asyncio.sleep((1 - self._tokens) / self._qps)
-
-
-class Backoff:
-    """Exponential backoff with jitter: each delay is drawn from [base/2, base], base doubling."""
-
-    def __init__(
-        self,
-        initial: float,
-        maximum: float,
-        *,
-        rng: Callable[[], float] = random.random,
-    ) -> None:
-        self._initial = initial
-        self._maximum = maximum
-        self._rng = rng
-        self._base = initial
-        self.failures = 0
-
-    def next(self, at_least: float = 0.0) -> float:
-        """The delay before the next attempt; never below `at_least` (a Retry-After)."""
-        delay = self._base * (0.5 + self._rng() / 2)
-        self._base = min(self._maximum, self._base * 2)
-        self.failures += 1
-        return max(delay, at_least)
-
-    def reset(self) -> None:
-        self._base = self._initial
-        self.failures = 0
-
-
 class ApiStatusError(Exception):
     """The API server answered with an error status (HTTP or an in-stream ERROR event)."""
 
@@ -165,7 +116,6 @@ _RETRYABLE = (
     json.JSONDecodeError,
     UnicodeDecodeError,
 )
-_MAX_RETRY_AFTER = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,7 +256,7 @@ class KubeSource:
             except _RETRYABLE as exc:
                 self.errors_total += 1
                 retry_after = exc.retry_after if isinstance(exc, ApiStatusError) else None
-                delay = backoff.next(min(retry_after or 0.0, _MAX_RETRY_AFTER))
+                delay = backoff.next(min(retry_after or 0.0, MAX_RETRY_AFTER))
                 log.warning(
                     "%s %s failed (%s); retry %d in %.2fs",
                     res.kind,
@@ -432,22 +382,9 @@ async def _check(response: aiohttp.ClientResponse) -> None:
         pass  # keep the HTTP reason
     if response.status == 410:
         raise Expired(reason)
-    raise ApiStatusError(response.status, reason, _retry_after(response.headers.get("Retry-After")))
-
-
-def _retry_after(value: str | None) -> float | None:
-    """Seconds from a Retry-After header (delta-seconds or an HTTP date)."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
+    raise ApiStatusError(
+        response.status, reason, parse_retry_after(response.headers.get("Retry-After"))
+    )
 
 
 async def _json_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
