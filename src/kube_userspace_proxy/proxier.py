@@ -82,6 +82,8 @@ class Proxier:
         self._closing: set[asyncio.Task[None]] = set()
         # Closed listeners whose connections may still be open; drained at shutdown.
         self._retired: list[Listener] = []
+        # Ports of retired listeners, released once a rule commit no longer names them.
+        self._quarantine: list[tuple[Protocol, int]] = []
         self.node_name: str | None = None
 
     def set_rule_sink(self, portals: RuleSink | None) -> None:
@@ -107,36 +109,51 @@ class Proxier:
                 if self._errors.get(name) != repr(exc):
                     log.exception("%s: unexpected error while syncing", name)
                 self._errors[name] = repr(exc)
+        releasable, self._quarantine = self._quarantine, []
         if self._portals is not None:
-            await asyncio.to_thread(self._portals.apply, self.proxied_ports())
+            try:
+                await asyncio.to_thread(self._portals.apply, self.proxied_ports())
+            except BaseException:
+                self._quarantine = releasable + self._quarantine
+                raise
+        for protocol, port in releasable:
+            self._allocator.release(protocol, port)
 
     async def _reconcile_port(
         self, name: ServicePortName, info: ServicePortInfo, snapshot: Snapshot
     ) -> None:
         served = self._served.get(name)
         new = served is None
-        fresh: list[Listener] = []
         if served is None:
             served = _Served(info=info, stats=ConnStats(), pools={})
-            fresh.append(self._open(served, Path.CLUSTER))
-            self._served[name] = served
         served.info = info
-        # A separate external listener exists exactly while the two paths need different
-        # endpoint sets (one of the traffic policies is Local, the other not).
-        if info.paths_differ and Path.EXTERNAL not in served.listeners:
-            fresh.append(self._open(served, Path.EXTERNAL))
-        elif not info.paths_differ and Path.EXTERNAL in served.listeners:
-            listener = served.listeners.pop(Path.EXTERNAL)
-            self._allocator.release(info.protocol, listener.port)
-            self._close_later(listener)
-            served.pools.pop(Path.EXTERNAL, None)
-        self._update_endpoints(served, snapshot)
+        fresh: list[tuple[Path, Listener]] = []
         try:
-            await self._start(served, fresh)
+            if Path.CLUSTER not in served.listeners:
+                fresh.append((Path.CLUSTER, self._open(served, Path.CLUSTER)))
+            # A separate external listener exists exactly while the two paths need different
+            # endpoint sets (one of the traffic policies is Local, the other not).
+            if info.paths_differ and Path.EXTERNAL not in served.listeners:
+                fresh.append((Path.EXTERNAL, self._open(served, Path.EXTERNAL)))
+            elif not info.paths_differ and Path.EXTERNAL in served.listeners:
+                self._retire(served, Path.EXTERNAL)
+            self._update_endpoints(served, snapshot)
+            # Started once their pools are filled, so a port listens when it is announced.
+            for _, listener in fresh:
+                await listener.start()
         except BaseException:
-            if new and not served.listeners:
-                del self._served[name]
+            # Undo what this call opened; no rule has pointed at those ports yet.
+            for path, listener in fresh:
+                served.listeners.pop(path, None)
+                served.pools.pop(path, None)
+                self._allocator.release(info.protocol, listener.port)
+                await listener.close()
+            if not new:
+                self._update_endpoints(served, snapshot)  # the paths left still follow
             raise
+        if new:
+            self._served[name] = served
+        self._point_node_ports(served)
         if served.node_port != info.node_port:
             self._close_node_ports(served)
             if info.node_port:
@@ -161,20 +178,6 @@ class Proxier:
         served.pools[path] = pool
         served.listeners[path] = listener
         return listener
-
-    async def _start(self, served: _Served, listeners: list[Listener]) -> None:
-        """Start new listeners once their pools are filled, so a port listens when announced."""
-        for listener in listeners:
-            try:
-                await listener.start()
-            except BaseException:
-                for path, other in list(served.listeners.items()):
-                    if other is listener:
-                        del served.listeners[path]
-                        served.pools.pop(path, None)
-                self._allocator.release(served.info.protocol, listener.port)
-                await listener.close()
-                raise
 
     def _make_listener(
         self, sock: socket.socket, pool: EndpointPool, stats: ConnStats, name: str
@@ -234,6 +237,13 @@ class Proxier:
                 " traffic captured by the NodePort rules is still served"
             )
 
+    def _point_node_ports(self, served: _Served) -> None:
+        """NodePort sockets serve external traffic: give them that path's pool."""
+        pool = served.pools.get(Path.EXTERNAL) or served.pools[Path.CLUSTER]
+        for _, listener in served.node_port_listeners:
+            if listener.picker is not pool:
+                listener.set_picker(pool)
+
     def _close_node_ports(self, served: _Served) -> None:
         for _, listener in served.node_port_listeners:
             self._close_later(listener)
@@ -244,11 +254,19 @@ class Proxier:
 
     def _remove(self, name: ServicePortName) -> None:
         served = self._served.pop(name)
-        for listener in served.listeners.values():
-            self._allocator.release(served.info.protocol, listener.port)
-            self._close_later(listener)
+        for path in list(served.listeners):
+            self._retire(served, path)
         self._close_node_ports(served)
         log.info("%s: removed (proxy port closed; open connections finish)", name)
+
+    def _retire(self, served: _Served, path: Path) -> None:
+        """Close the listener of `path`; its port stays out of use until no rule names it."""
+        listener = served.listeners.pop(path)
+        served.pools.pop(path, None)
+        self._close_later(listener)
+        # Rules still send this port's traffic here until the next commit: handing the port
+        # to another service port before then would deliver one Service's clients to another.
+        self._quarantine.append((served.info.protocol, listener.port))
 
     def _close_later(self, listener: Listener) -> None:
         # Stop accepting now; the connections already open finish on their own.

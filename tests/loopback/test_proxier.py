@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from types import MappingProxyType
 
 import pytest
 
 from kube_userspace_proxy.model import (
     Endpoint,
+    Path,
     Protocol,
+    ProxiedPort,
     ServicePortInfo,
     ServicePortName,
     Snapshot,
@@ -89,3 +91,158 @@ async def test_an_unexpected_error_in_one_service_port_spares_the_others(
     await proxier.sync(_snapshot(backend_port))
     assert A not in proxier.errors()
     assert await asyncio.wait_for(ask(proxier.port_of(A)), 2) == "pod"
+
+
+def _info(name: ServicePortName, **fields: object) -> ServicePortInfo:
+    return ServicePortInfo(name=name, port=80, cluster_ips=("10.96.0.10",), **fields)  # type: ignore[arg-type]
+
+
+def _snap(
+    infos: list[ServicePortInfo], endpoints: dict[ServicePortName, tuple[Endpoint, ...]]
+) -> Snapshot:
+    return Snapshot(
+        services=MappingProxyType({i.name: i for i in infos}),
+        endpoints=MappingProxyType(endpoints),
+        node_name="node-1",
+    )
+
+
+class RecordingRules:
+    """A rule sink at the proxier's boundary: records each desired set, fails on request."""
+
+    def __init__(self) -> None:
+        self.applied: list[list[ProxiedPort]] = []
+        self.fail = False
+
+    def apply(self, ports: Sequence[ProxiedPort]) -> None:
+        if self.fail:
+            raise RuntimeError("iptables-restore failed")
+        self.applied.append(list(ports))
+
+
+def _two_free_ports() -> tuple[int, int]:
+    """Two adjacent free ports, for a tiny --proxy-port-range."""
+    for _ in range(50):
+        first = _free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", first + 1))
+            except OSError:
+                continue
+        return first, first + 1
+    raise AssertionError("no two adjacent free ports")
+
+
+async def test_a_service_needing_two_ports_rolls_back_when_the_second_is_missing(
+    backend_port: int,
+) -> None:
+    low, high = _two_free_ports()
+    proxier = Proxier(PortAllocator((low, high), host="127.0.0.1"))
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", high))
+    info = _info(A, external_ips=("192.0.2.1",), external_traffic_local=True)
+    eps = {A: (Endpoint("127.0.0.1", backend_port, node_name="node-1"),)}
+    try:
+        await proxier.sync(_snap([info], eps))
+        assert "no free TCP port" in proxier.errors()[A]
+        assert proxier.port_of(A) == 0  # nothing half-open is left behind
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", low))  # the first port was given back
+    finally:
+        squatter.close()
+    await proxier.sync(_snap([info], eps))
+    assert A not in proxier.errors()
+    assert {proxier.port_of(A, Path.CLUSTER), proxier.port_of(A, Path.EXTERNAL)} == {low, high}
+    assert await ask(proxier.port_of(A, Path.CLUSTER)) == "pod"
+    assert await ask(proxier.port_of(A, Path.EXTERNAL)) == "pod"
+    await proxier.shutdown(0.5)
+
+
+async def test_endpoints_still_follow_when_a_second_port_cannot_be_had() -> None:
+    started = await start_named_backends(["pod-a", "pod-b"])
+    (_, port_a, server_a), (_, port_b, server_b) = started
+    low = _free_port()
+    proxier = Proxier(PortAllocator((low, low), host="127.0.0.1"))
+    try:
+        await proxier.sync(_snap([_info(A)], {A: (Endpoint("127.0.0.1", port_a),)}))
+        assert await ask(proxier.port_of(A)) == "pod-a"
+        # Now it wants a second (external) port, and the range has none; its endpoint moves.
+        changed = _info(A, external_ips=("192.0.2.1",), external_traffic_local=True)
+        await proxier.sync(
+            _snap([changed], {A: (Endpoint("127.0.0.1", port_b, node_name="node-1"),)})
+        )
+        assert A in proxier.errors()
+        assert await ask(proxier.port_of(A)) == "pod-b"
+    finally:
+        await proxier.shutdown(0.5)
+        for server in (server_a, server_b):
+            server.close()
+            await server.wait_closed()
+
+
+async def test_a_removed_port_is_not_reused_until_a_commit_no_longer_names_it(
+    backend_port: int,
+) -> None:
+    low, high = _two_free_ports()
+    rules = RecordingRules()
+    proxier = Proxier(PortAllocator((low, high), host="127.0.0.1"), portals=rules)
+    eps = {n: (Endpoint("127.0.0.1", backend_port),) for n in (A, B)}
+    try:
+        await proxier.sync(_snap([_info(A)], eps))
+        port_a = proxier.port_of(A)
+        # A goes and B and C come in one sync whose commit fails: A's port is still named by
+        # the rules in the kernel, so neither B nor C may have it.
+        c = ServicePortName("default", "c", "http", Protocol.TCP)
+        eps[c] = eps[A]
+        rules.fail = True
+        with pytest.raises(RuntimeError):
+            await proxier.sync(_snap([_info(B), _info(c)], eps))
+        assert proxier.port_of(B) not in (0, port_a)
+        assert proxier.port_of(c) == 0 and "no free TCP port" in proxier.errors()[c]
+        with pytest.raises(RuntimeError):
+            await proxier.sync(_snap([_info(B), _info(c)], eps))
+        assert proxier.port_of(c) == 0  # still held back: no commit has succeeded
+        rules.fail = False
+        await proxier.sync(_snap([_info(B), _info(c)], eps))  # this commit drops A's rules
+        await proxier.sync(_snap([_info(B), _info(c)], eps))  # now the port may serve C
+        assert proxier.port_of(c) == port_a
+        assert await ask(port_a) == "pod"
+    finally:
+        await proxier.shutdown(0.5)
+
+
+async def test_node_port_sockets_follow_the_external_traffic_policy() -> None:
+    started = await start_named_backends(["pod-local", "pod-remote"])
+    (_, port_l, server_l), (_, port_r, server_r) = started
+    node_port = _free_port()
+    proxier = Proxier(
+        PortAllocator(None, host="127.0.0.1"), node_port_addresses=lambda: ["127.0.0.1"]
+    )
+    eps = {
+        A: (
+            Endpoint("127.0.0.1", port_l, node_name="node-1"),
+            Endpoint("127.0.0.1", port_r, node_name="node-2"),
+        )
+    }
+    try:
+        local = _info(A, node_port=node_port, external_traffic_local=True)
+        await proxier.sync(_snap([local], eps))
+        # Two proxy ports: ClusterIP traffic uses every endpoint, external traffic local ones.
+        assert {await ask(proxier.port_of(A, Path.CLUSTER)) for _ in range(4)} == {
+            "pod-local",
+            "pod-remote",
+        }
+        assert {await ask(proxier.port_of(A, Path.EXTERNAL)) for _ in range(4)} == {"pod-local"}
+        assert {await ask(node_port) for _ in range(4)} == {"pod-local"}
+        # externalTrafficPolicy back to Cluster: one proxy port, and the NodePort follows.
+        await proxier.sync(_snap([_info(A, node_port=node_port)], eps))
+        assert proxier.port_of(A, Path.EXTERNAL) == proxier.port_of(A, Path.CLUSTER)
+        assert {await ask(node_port) for _ in range(4)} == {"pod-local", "pod-remote"}
+        # And to Local again.
+        await proxier.sync(_snap([local], eps))
+        assert {await ask(node_port) for _ in range(4)} == {"pod-local"}
+    finally:
+        await proxier.shutdown(0.5)
+        for server in (server_l, server_r):
+            server.close()
+            await server.wait_closed()
