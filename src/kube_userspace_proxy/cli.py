@@ -100,10 +100,14 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     }
     for flag in _RUN_FLAGS:
         unit = "duration, e.g. 250ms or 1m30s" if flag.kind == "duration" else flag.unit
+        if flag.kind == "csv":
+            unit += ", comma-separated or repeated"
         extra = f"{unit}; " if unit else ""
         parser.add_argument(
             flag.flag,
             dest=flag.field,
+            # List flags take commas and may be repeated: `--node-ip A --node-ip B`.
+            action="extend" if flag.kind == "csv" else "store",
             type=types[flag.kind],
             choices=flag.choices or None,
             default=None,

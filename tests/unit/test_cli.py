@@ -94,3 +94,10 @@ def test_a_missing_kubeconfig_exits_2_before_serving(
     )
     assert code == 2
     assert "absent" in capsys.readouterr().err
+
+
+def test_list_flags_take_commas_and_repeats() -> None:
+    args = cli.make_parser().parse_args(
+        ["run", "--node-ip", "10.0.0.5", "--node-ip", "fd00::5,10.0.0.6", "--manifests", "m"]
+    )
+    assert cli.parse_config(args).node_ips == ("10.0.0.5", "fd00::5", "10.0.0.6")
