@@ -83,13 +83,23 @@ class PortAllocator:
         self._family = _family(host)
         self._taken: dict[Protocol, set[int]] = {Protocol.TCP: set(), Protocol.UDP: set()}
 
-    def reserve(self, protocol: Protocol, *, name: str = "") -> socket.socket:
+    def reserve(
+        self, protocol: Protocol, *, name: str = "", prefer: int | None = None
+    ) -> socket.socket:
         """A bound, non-blocking, not yet listening socket on a free port; the caller owns it.
 
-        Raises PortExhaustedError (naming the range and `name`, the service port) when every
-        port of the range is taken.
+        `prefer` (e.g. the port an earlier run's rules still point at) is taken when it is free
+        and inside the range, if one is set; otherwise a port is chosen as usual. Raises
+        PortExhaustedError (naming the range and `name`, the service port) when every port of
+        the range is taken.
         """
         taken = self._taken[protocol]
+        if prefer and prefer not in taken and self._in_range(prefer):
+            sock = self._bind(protocol, prefer)
+            if isinstance(sock, socket.socket):
+                taken.add(prefer)
+                return sock
+            log.debug("%s: preferred %s port %d is taken", name or "?", protocol, prefer)
         if self.port_range is None:
             sock = self._bind(protocol, 0)
             if not isinstance(sock, socket.socket):  # the kernel ran out of ephemeral ports
@@ -120,6 +130,11 @@ class PortAllocator:
             + ", the rest by other sockets); widen the range or free ports"
         )
 
+    def _in_range(self, port: int) -> bool:
+        if self.port_range is None:
+            return 0 < port <= _MAX_PORT
+        return self.port_range[0] <= port <= self.port_range[1]
+
     def release(self, protocol: Protocol, port: int) -> None:
         """Forget a port handed out by `reserve` (the caller closes the socket)."""
         self._taken[protocol].discard(port)
@@ -133,6 +148,10 @@ class PortAllocator:
         kind = socket.SOCK_STREAM if protocol is Protocol.TCP else socket.SOCK_DGRAM
         sock = socket.socket(self._family, kind)
         try:
+            if self.host == "::":
+                # Take IPv4 too (as ::ffff:a.b.c.d), whatever net.ipv6.bindv6only says: the
+                # rules send both families' Service traffic to this port.
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             if protocol is Protocol.TCP:
                 # A restart must be able to rebind a port whose old connections sit in TIME_WAIT.
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -23,6 +23,7 @@ from tests.integration.netns import NODE_IP, POD_PORT, PODS, Topology, stop, wai
 PROXY = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kube-userspace-proxy"
 BACKENDS = ("iptc", "restore")
 SAVE = {"iptc": "iptables-legacy-save", "restore": "iptables-nft-save"}
+SAVE6 = {"iptc": "ip6tables-legacy-save", "restore": "ip6tables-nft-save"}
 IPTABLES = {"iptc": "iptables-legacy", "restore": "iptables-nft"}
 
 
@@ -61,14 +62,22 @@ def service(
     external_ips: tuple[str, ...] = (),
     affinity: bool = False,
     pods: tuple[str, ...] = tuple(PODS),
+    ipv6_cluster_ip: str = "",
 ) -> list[dict[str, Any]]:
-    """A Service and its EndpointSlice (the given pods, all ready), as `kubectl` takes them."""
+    """A Service and its EndpointSlice (the given pods, all ready), as `kubectl` takes them.
+
+    With `ipv6_cluster_ip` the Service is dual-stack (its pods stay IPv4 only).
+    """
     spec: dict[str, Any] = {
         "type": "NodePort" if node_port else "ClusterIP",
         "clusterIP": cluster_ip,
         "clusterIPs": [cluster_ip],
         "ports": [{"name": "p", "protocol": protocol, "port": port, "targetPort": POD_PORT}],
     }
+    if ipv6_cluster_ip:
+        spec["clusterIPs"].append(ipv6_cluster_ip)
+        spec["ipFamilies"] = ["IPv4", "IPv6"]
+        spec["ipFamilyPolicy"] = "RequireDualStack"
     if node_port:
         spec["ports"][0]["nodePort"] = node_port
     if external_ips:
@@ -148,8 +157,8 @@ class Proxy:
         assert self.proc is not None
         stop(self.proc, sig)
 
-    def save(self, table: str = "nat") -> str:
-        return self.topo.node.run(SAVE[self.backend], "-t", table)
+    def save(self, table: str = "nat", family: int = 4) -> str:
+        return self.topo.node.run((SAVE6 if family == 6 else SAVE)[self.backend], "-t", table)
 
     def rules(self, table: str = "nat") -> list[str]:
         return [line for line in self.save(table).splitlines() if line.startswith("-A ")]

@@ -6,11 +6,14 @@ PID) and deletes the namespaces, and is safe to call after a partial setup.
 
 ```
  client 10.244.1.10 --veth-- 10.244.1.1 |
-                                         node (lo: 10.244.0.1, the node IP; the proxy runs here)
- pod-a 10.244.11.10 --veth-- 10.244.11.1 |   route 10.96.0.0/16 -> client, so the node's own
- pod-b 10.244.12.10 --veth-- 10.244.12.1 |   packets to ClusterIPs have a route before nat OUTPUT
- pod-c 10.244.13.10 --veth-- 10.244.13.1 |
+        fd00:1::10           fd00:1::1  |
+                                         node (lo: 10.244.0.1 and fd00::1, the node IPs; the
+ pod-a 10.244.11.10 --veth-- 10.244.11.1 |   proxy runs here); routes 10.96.0.0/16 and
+ pod-b 10.244.12.10 --veth-- 10.244.12.1 |   fd00:96::/112 -> client, so the node's own packets
+ pod-c 10.244.13.10 --veth-- 10.244.13.1 |   to ClusterIPs have a route before nat OUTPUT
 ```
+
+The client reaches the node over IPv6 as well (dual-stack Services); the pods are IPv4 only.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 NODE_IP = "10.244.0.1"
+NODE_IP6 = "fd00::1"
 CLIENT_IP = "10.244.1.10"
+CLIENT_IP6 = "fd00:1::10"
 PODS = {"pod-a": "10.244.11.10", "pod-b": "10.244.12.10", "pod-c": "10.244.13.10"}
 POD_PORT = 8080
 _counter = itertools.count()
@@ -75,7 +80,8 @@ CLIENT = textwrap.dedent(
                     data += chunk
                 s.close()
             else:
-                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2)
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                s = socket.socket(family, socket.SOCK_DGRAM); s.settimeout(2)
                 s.sendto(b"hello", (host, port)); data = s.recv(2048); s.close()
             out.append(data.decode())
         except ConnectionRefusedError:
@@ -170,10 +176,16 @@ class Topology:
             ns.ip("link", "set", "lo", "up")
         node = self.node
         node.ip("addr", "add", f"{NODE_IP}/32", "dev", "lo")
+        node.ip("-6", "addr", "add", f"{NODE_IP6}/128", "dev", "lo")
         self._link("vcli", self.client, "10.244.1.1", CLIENT_IP)
+        # nodad: usable at once, not after duplicate address detection (a second or more)
+        node.ip("-6", "addr", "add", "fd00:1::1/64", "dev", "vcli", "nodad")
+        self.client.ip("-6", "addr", "add", f"{CLIENT_IP6}/64", "dev", "eth0", "nodad")
+        self.client.ip("-6", "route", "add", "default", "via", "fd00:1::1")
         for i, (pod, ip) in enumerate(PODS.items(), start=1):
             self._link(f"vpod{i}", self.pods[pod], f"10.244.1{i}.1", ip)
         node.ip("route", "add", "10.96.0.0/16", "via", CLIENT_IP)
+        node.ip("-6", "route", "add", "fd00:96::/112", "via", CLIENT_IP6)
         for pod, ns in self.pods.items():
             proc = ns.popen(
                 [sys.executable, "-u", "-c", BACKEND, pod, str(POD_PORT)], tmp / f"{pod}.log"

@@ -48,17 +48,23 @@ DRIVER = textwrap.dedent(
             out.append(ProxiedPort(info, base, base + 1000 if i % 6 == 0 else base))
         return out
 
-    portals = Portals(
-        make_backend(args["backend"]),
-        node_ips=("10.244.0.1", "fd00::1"),
-        nodeport_addresses=args.get("nodeport_addresses", ()),
-    )
+    def new_portals():
+        return Portals(
+            make_backend(args["backend"]),
+            node_ips=("10.244.0.1", "fd00::1"),
+            bind_address=args.get("bind_address", "::"),
+            nodeport_addresses=args.get("nodeport_addresses", ()),
+        )
+
+    portals = new_portals()
     result = {"backend": portals.backend.name, "steps": []}
     for step in args["steps"]:
         if step[0] == "apply":
             portals.apply(ports(step[1], step[2] if len(step) > 2 else 0))
         elif step[0] == "run":
             subprocess.run(step[1], check=True)
+        elif step[0] == "claimed":  # read back by a Portals of its own, as a restart would
+            result["claimed"] = sorted([*k, v] for k, v in new_portals().claimed_ports().items())
         result["steps"].append({"commits": portals.commits, "repairs": portals.repairs})
     print(json.dumps(result))
     """
@@ -107,6 +113,38 @@ def test_first_apply_installs_exactly_the_rendered_rules(node: Netns, backend: s
     for key, lines in got.items():
         assert len(lines) == len(set(lines)), f"duplicates in {key}"
     assert len(got["v4 nat"]) > len(got["v6 nat"]) > 0
+
+
+def expected_claims(n: int) -> list[list[Any]]:
+    """What `claimed_ports` must read back after DRIVER's `ports(n)` were applied."""
+    out: list[list[Any]] = []
+    for i in range(n):
+        key = [f"ns{i % 3}/svc{i}:p", "UDP" if i % 4 == 3 else "TCP"]
+        cluster = 40000 + i
+        external = cluster + 1000 if i % 6 == 0 else cluster
+        out.append([*key, "cluster", cluster])
+        # NodePorts and external IPs have rules of their own; LoadBalancer IPs look like
+        # ClusterIPs, so they only show as a port of their own.
+        if i % 2 == 0 or i % 7 == 0 or (i % 11 == 0 and external != cluster):
+            out.append([*key, "external", external])
+    return sorted(out)
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_a_new_portals_reads_back_the_proxy_ports_of_installed_rules(
+    node: Netns, backend: str
+) -> None:
+    result = drive(node, backend, ["claimed"], ["apply", 60], ["claimed"])
+    assert result["claimed"] == expected_claims(60)
+    assert [k for k in result["claimed"] if k[0] == "ns0/svc0:p"] == [
+        ["ns0/svc0:p", "TCP", "cluster", 40000],
+        ["ns0/svc0:p", "TCP", "external", 41000],
+    ]
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_no_rules_means_no_claimed_ports(node: Netns, backend: str) -> None:
+    assert drive(node, backend, ["claimed"])["claimed"] == []
 
 
 def test_both_backends_write_the_same_lines(netns_ok: None, tmp_path: Path) -> None:

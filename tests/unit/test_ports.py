@@ -203,3 +203,71 @@ def test_bind_host_other_than_local_fails_loudly() -> None:
 def test_invalid_range_is_rejected_by_the_allocator() -> None:
     with pytest.raises(ValueError, match="invalid port range"):
         PortAllocator((10, 5))
+
+
+# -- preferred ports --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", list(Protocol))
+def test_preferred_port_is_taken_when_free(
+    protocol: Protocol, sockets: list[socket.socket]
+) -> None:
+    low, high = _free_range(8)
+    allocator = PortAllocator((low, high), host=HOST)
+    for want in (low + 5, low + 2, high):
+        sockets.append(allocator.reserve(protocol, prefer=want))
+        assert sockets[-1].getsockname()[1] == want
+    assert allocator.reserved(protocol) == {low + 5, low + 2, high}
+
+
+def test_preferred_port_outside_the_range_is_not_taken(sockets: list[socket.socket]) -> None:
+    low, high = _free_range(3)
+    allocator = PortAllocator((low + 1, high), host=HOST)
+    sockets.append(allocator.reserve(Protocol.TCP, prefer=low))
+    assert low + 1 <= sockets[-1].getsockname()[1] <= high
+
+
+def test_preferred_port_held_by_another_socket_falls_back_to_a_free_one(
+    sockets: list[socket.socket],
+) -> None:
+    low, high = _free_range(2)
+    sockets.append(_occupy(Protocol.UDP, low))
+    allocator = PortAllocator((low, high), host=HOST)
+    sockets.append(allocator.reserve(Protocol.UDP, prefer=low))
+    assert sockets[-1].getsockname()[1] == high
+
+
+def test_preferred_port_already_handed_out_is_not_handed_out_again(
+    sockets: list[socket.socket],
+) -> None:
+    low, high = _free_range(2)
+    allocator = PortAllocator((low, high), host=HOST)
+    sockets.append(allocator.reserve(Protocol.TCP, prefer=low))
+    sockets.append(allocator.reserve(Protocol.TCP, prefer=low))
+    assert [s.getsockname()[1] for s in sockets] == [low, high]
+
+
+def test_preferred_port_is_taken_without_a_range_too(sockets: list[socket.socket]) -> None:
+    low, _ = _free_range(1)
+    allocator = PortAllocator(None, host=HOST)
+    sockets.append(allocator.reserve(Protocol.TCP, prefer=low))
+    assert sockets[-1].getsockname()[1] == low
+    sockets.append(allocator.reserve(Protocol.TCP, prefer=low))
+    assert sockets[-1].getsockname()[1] not in (0, low)
+
+
+# -- dual stack ---------------------------------------------------------------------------------
+
+
+def test_unspecified_ipv6_host_gives_sockets_that_take_ipv4_too(
+    sockets: list[socket.socket],
+) -> None:
+    sock = PortAllocator(None, host="::").reserve(Protocol.TCP)  # bound, never listening
+    sockets.append(sock)
+    assert sock.family == socket.AF_INET6
+    assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
+    ipv4 = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sockets.append(ipv4)
+    with pytest.raises(OSError) as held:  # the port is held for IPv4 as well
+        ipv4.bind((HOST, sock.getsockname()[1]))
+    assert held.value.errno == errno.EADDRINUSE

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Hashable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kube_userspace_proxy.errors import PortalsError
 from kube_userspace_proxy.model import Protocol, ProxiedPort, ServicePortInfo, ServicePortName
-from kube_userspace_proxy.portals import plan
+from kube_userspace_proxy.netutil import Family
+from kube_userspace_proxy.portals import Portals, plan
 from kube_userspace_proxy.portals.restore import predict, restore_text, view_of
 from kube_userspace_proxy.portals.rules import (
     CHAINS,
@@ -20,6 +26,7 @@ from kube_userspace_proxy.portals.rules import (
     NON_LOCAL_NODEPORTS,
     Rule,
     Settings,
+    claimed,
     explain,
     render,
 )
@@ -181,7 +188,7 @@ def test_jumps_lead_into_our_chains_in_kube_proxy_order() -> None:
 
 
 def test_ipv6_cluster_ips_render_for_ip6tables() -> None:
-    s = Settings(node_ips=("10.244.0.1", "fd00::1"))
+    s = Settings(node_ips=("10.244.0.1", "fd00::1"), bind_address="::")
     rules = list(render([port(cluster_ips=("10.96.0.10", "fd00:96::10"))], s))
     v6 = [r.line for r in rules if r.family == 6 and not r.is_jump]
     assert v6 == [
@@ -191,6 +198,46 @@ def test_ipv6_cluster_ips_render_for_ip6tables() -> None:
         " -m tcp --dport 80 -j DNAT --to-destination [fd00::1]:40001",
     ]
     assert {r.family for r in rules if r.is_jump} == {4, 6}
+
+
+def test_default_bind_address_renders_no_ipv6_rules() -> None:
+    # 0.0.0.0 is an IPv4 socket: IPv6 clients redirected to it would be refused.
+    s = Settings(node_ips=("10.244.0.1", "fd00::1"), bind_address="0.0.0.0")
+    dual = port(cluster_ips=("10.96.0.10", "fd00:96::10"), node_port=30080)
+    rules = render([dual], s, families={4, 6})
+    assert {r.family for r in rules} == {4}
+    assert [r for r in rules if r.dst == "10.96.0.10/32"]
+
+
+def test_unspecified_ipv6_bind_address_serves_both_families() -> None:
+    s = Settings(node_ips=("10.244.0.1", "fd00::1"), bind_address="::")
+    rules = render([port(cluster_ips=("10.96.0.10", "fd00:96::10"), node_port=30080)], s)
+    for family in (4, 6):
+        mine = [r for r in rules if r.family == family and not r.is_jump]
+        assert {r.chain for r in mine} == {*CHAINS["nat"], NON_LOCAL_NODEPORTS}
+        assert all(r.target != "DNAT" or r.to_addr in s.node_ips for r in mine)
+        assert all(r.target != "REDIRECT" or r.chain.endswith("-CONTAINER") for r in mine)
+
+
+def test_specific_ipv6_bind_address_serves_ipv6_only() -> None:
+    s = Settings(node_ips=("10.244.0.1", "fd00::1"), bind_address="fd00::7")
+    rules = render([port(cluster_ips=("10.96.0.10", "fd00:96::10"))], s, families={4, 6})
+    assert {r.family for r in rules} == {6}
+    assert lines([port(cluster_ips=("10.96.0.10", "fd00:96::10"))], s, CONTAINER_PORTALS) == [
+        "-A KUBE-PORTALS-CONTAINER -d fd00:96::10/128 -p tcp -m comment --comment"
+        ' "default/web:http" -m tcp --dport 80 -j DNAT --to-destination [fd00::7]:40001'
+    ]
+
+
+def test_cluster_ips_of_an_unserved_family_are_reported_once_rendered() -> None:
+    dual = port(cluster_ips=("10.96.0.10", "fd00:96::10"))
+    cache: dict[ProxiedPort, list[Rule]] = {}
+    skipped: list[tuple[ServicePortName, str]] = []
+    render([dual, port(name=ServicePortName("default", "v4"))], NODE, cache=cache, skipped=skipped)
+    assert skipped == [(WEB, "fd00:96::10")]
+    again: list[tuple[ServicePortName, str]] = []
+    render([dual], NODE, cache=cache, skipped=again)
+    assert again == []  # from the cache: the caller has been told already
 
 
 def test_external_ips_of_a_family_the_service_lacks_are_ignored() -> None:
@@ -386,6 +433,190 @@ def test_cleanup_removes_jumps_then_chains() -> None:
 def test_cleanup_keeps_a_chain_that_a_foreign_chain_jumps_to() -> None:
     view = plan.TableView({CONTAINER_PORTALS: ()}, (), frozenset({CONTAINER_PORTALS}))
     assert plan.cleanup("nat", view) == [plan.ResetChain(CONTAINER_PORTALS)]
+
+
+class MemoryBackend:
+    """A Backend whose tables are FakeTables: Portals' own logic without a kernel."""
+
+    name = mode = "memory"
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[Family, str], FakeTable] = {}
+
+    def locked(self, family: Family) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def tables(self, family: Family) -> frozenset[str]:
+        return frozenset(t for f, t in self.held if f == family)
+
+    def read(self, family: Family, table: str) -> plan.TableView:
+        return self.held.setdefault((family, table), FakeTable(table)).view()
+
+    def saved(self, family: Family, table: str) -> dict[str, tuple[str, ...]]:
+        held = self.held.get((family, table))
+        if held is None:
+            return {}
+        return {c: tuple(r.spec for r in held.chains[c]) for c in CHAINS[table] if c in held.chains}
+
+    def commit(self, family: Family, table: str, ops: Sequence[plan.Op]) -> None:
+        self.held.setdefault((family, table), FakeTable(table)).run(ops)
+
+
+def test_skipped_ipv6_cluster_ip_is_warned_about_once_per_service_port(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    logger = logging.getLogger("kube_userspace_proxy")
+    logger.addHandler(caplog.handler)
+    try:
+        portals = Portals(MemoryBackend(), node_ips=("10.244.0.1", "fd00::1"), physdev=True)
+        dual = port(cluster_ips=("10.96.0.10", "fd00:96::10"))
+        portals.apply([dual])
+        portals.apply([dual, port(name=ServicePortName("default", "v4"))])
+        portals.apply([replace(dual, cluster_port=40002, external_port=40002)])
+    finally:
+        logger.removeHandler(caplog.handler)
+    warnings = {(id(r), r.getMessage()) for r in caplog.records if r.levelno == logging.WARNING}
+    assert [m for _, m in warnings] == [
+        "default/web:http: no rules for its IPv6 ClusterIP fd00:96::10: the proxy ports listen"
+        " on 0.0.0.0 (IPv4 only); use --bind-address :: for dual stack"
+    ]
+
+
+# ---- proxy ports claimed by installed rules -----------------------------------------------
+
+
+def saved(rules: Sequence[Rule]) -> list[tuple[str, str]]:
+    """(chain, spec) of our chains' rules, as a backend's `saved` gives them."""
+    return [(r.chain, r.spec) for r in rules if not r.is_jump]
+
+
+def test_claimed_ports_are_read_back_from_rendered_rules() -> None:
+    dns = ServicePortName("kube-system", "dns", "dns", Protocol.UDP)
+    ports = [
+        port(),
+        port(name=dns, cluster_ips=("10.96.0.53",), cluster_port=40010, svc_port=53),
+        port(name=ServicePortName("default", "np"), node_port=30080, cluster_port=40020),
+        port(
+            name=ServicePortName("default", "split", "https"),
+            cluster_ips=("10.96.0.30", "fd00:96::30"),
+            node_port=30443,
+            external_ips=("192.0.2.30",),
+            lb_ips=("198.51.100.30", "2001:db8::30"),
+            cluster_port=40030,
+            external_port=40031,
+        ),
+    ]
+    s = Settings(node_ips=("10.244.0.1", "fd00::1"), bind_address="::")
+    assert claimed(saved(render(ports, s))) == {
+        ("default/web:http", "TCP", "cluster"): 40001,
+        ("kube-system/dns:dns", "UDP", "cluster"): 40010,
+        ("default/np", "TCP", "cluster"): 40020,
+        ("default/np", "TCP", "external"): 40020,
+        ("default/split:https", "TCP", "cluster"): 40030,
+        ("default/split:https", "TCP", "external"): 40031,
+    }
+
+
+def test_claimed_ports_of_dnat_rules_to_a_bind_address() -> None:
+    split = port(node_port=30080, cluster_port=40001, external_port=40002)
+    for bind, ips in (("10.244.0.7", ("10.96.0.10",)), ("fd00::7", ("fd00:96::10",))):
+        rules = render(
+            [replace(split, info=replace(split.info, cluster_ips=ips))], Settings((), bind)
+        )
+        assert {r.target for r in rules if r.chain == CONTAINER_PORTALS} == {"DNAT"}
+        assert claimed(saved(rules)) == {
+            ("default/web:http", "TCP", "cluster"): 40001,
+            ("default/web:http", "TCP", "external"): 40002,
+        }
+
+
+def test_external_port_is_known_by_its_rule_kind_not_its_position() -> None:
+    # An incremental sync appends changed rules: the ClusterIP rule may come last.
+    split = port(external_ips=("192.0.2.5",), lb_ips=("198.51.100.7",), external_port=40002)
+    rules = list(reversed(saved(render([split], NODE))))
+    assert claimed(rules) == {
+        ("default/web:http", "TCP", "cluster"): 40001,
+        ("default/web:http", "TCP", "external"): 40002,
+    }
+
+
+def test_a_load_balancer_without_node_port_takes_the_first_port_as_the_cluster_port() -> None:
+    split = port(lb_ips=("198.51.100.7",), external_port=40002)
+    assert claimed(saved(render([split], NODE))) == {
+        ("default/web:http", "TCP", "cluster"): 40001,
+        ("default/web:http", "TCP", "external"): 40002,
+    }
+
+
+def test_claimed_ports_ignore_foreign_rules_and_read_unquoted_comments() -> None:
+    rules = [
+        (CONTAINER_PORTALS, "-p tcp -m tcp --dport 9999 -m comment --comment foreign -j RETURN"),
+        (HOST_PORTALS, '-d 10.96.0.9/32 -p tcp -m comment --comment "a/b" -j DNAT'
+         " --to-destination 10.244.0.1:40005"),
+        (CONTAINER_PORTALS, "-d 10.96.0.9/32 -p udp -m comment --comment ns_x -m udp"
+         " --dport 53 -j REDIRECT --to-ports 40009"),
+    ]  # fmt: skip
+    assert claimed(rules) == {("ns_x", "UDP", "cluster"): 40009}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(list(Protocol)),
+            st.booleans(),  # dual stack
+            st.sampled_from(["none", "nodeport", "external ip", "load balancer"]),
+            st.booleans(),  # paths differ
+        ),
+        max_size=12,
+    )
+)
+def test_claimed_ports_invert_rendering(
+    specs: list[tuple[Protocol, bool, str, bool]],
+) -> None:
+    ports, expected = [], {}
+    for i, (protocol, dual, external, differ) in enumerate(specs):
+        name = ServicePortName("ns", f"svc{i}", "p", protocol)
+        cluster, ext = 40000 + 2 * i, 40000 + 2 * i + (1 if differ else 0)
+        ips = (f"10.96.0.{i + 1}", f"fd00:96::{i + 1}") if dual else (f"10.96.0.{i + 1}",)
+        ports.append(
+            port(
+                name=name,
+                cluster_ips=ips,
+                node_port=30000 + i if external == "nodeport" else 0,
+                external_ips=(f"192.0.2.{i + 1}",) if external == "external ip" else (),
+                lb_ips=(f"198.51.100.{i + 1}",) if external == "load balancer" else (),
+                cluster_port=cluster,
+                external_port=ext,
+            )
+        )
+        expected[(str(name), str(protocol), "cluster")] = cluster
+        if external != "none" and (differ or external != "load balancer"):
+            expected[(str(name), str(protocol), "external")] = ext
+    s = Settings(node_ips=("10.244.0.1", "fd00::1"), bind_address="::")
+    assert claimed(saved(render(ports, s))) == expected
+
+
+def test_a_new_portals_reads_the_ports_an_earlier_one_installed() -> None:
+    backend = MemoryBackend()
+    split = port(cluster_ips=("10.96.0.10", "fd00:96::10"), node_port=30080, external_port=40002)
+
+    def portals() -> Portals:
+        return Portals(backend, node_ips=("10.244.0.1", "fd00::1"), bind_address="::", physdev=True)
+
+    portals().apply([split])
+    assert portals().claimed_ports() == {
+        ("default/web:http", "TCP", "cluster"): 40001,
+        ("default/web:http", "TCP", "external"): 40002,
+    }
+
+
+def test_claimed_ports_are_empty_when_the_tables_cannot_be_read() -> None:
+    class Unreadable(MemoryBackend):
+        def saved(self, family: Family, table: str) -> dict[str, tuple[str, ...]]:
+            raise PortalsError("iptables-save: permission denied")
+
+    assert Portals(Unreadable(), physdev=True).claimed_ports() == {}
 
 
 # ---- iptables-restore text ----------------------------------------------------------------

@@ -3,8 +3,10 @@
 `Portals.apply` takes the full desired state on every sync, diffs it against what it applied
 before and commits only the changes, one atomic commit per table. Each sync re-reads our chains
 (a fingerprint per chain) so that rules flushed or edited by someone else are put back. The
-first apply of a run replaces whatever an earlier run left. `cleanup_all` removes our chains
-and jumps from the legacy and the nft tables alike, and nothing else.
+first apply of a run replaces whatever an earlier run left; before it, `claimed_ports` tells
+which proxy port those rules send each service port to, so a restart can take the same ports.
+`cleanup_all` removes our chains and jumps from the legacy and the nft tables alike, and
+nothing else.
 """
 
 from __future__ import annotations
@@ -17,15 +19,28 @@ from dataclasses import dataclass, replace
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import PortalsError
-from kube_userspace_proxy.model import ProxiedPort
+from kube_userspace_proxy.model import ProxiedPort, ServicePortName
 from kube_userspace_proxy.netutil import Family, ip_family
 from kube_userspace_proxy.portals import plan
 from kube_userspace_proxy.portals.plan import Backend, Delete, DropChain
 from kube_userspace_proxy.portals.restore import RestoreBackend, binary
-from kube_userspace_proxy.portals.rules import TABLES, Rule, Settings, explain, render
+from kube_userspace_proxy.portals.rules import (
+    CONTAINER_NODEPORTS,
+    CONTAINER_PORTALS,
+    NAT,
+    TABLES,
+    ClaimKey,
+    Rule,
+    Settings,
+    claimed,
+    explain,
+    render,
+    served_families,
+)
 
 __all__ = [
     "Backend",
+    "ClaimKey",
     "Portals",
     "PortalsError",
     "Rule",
@@ -34,6 +49,7 @@ __all__ = [
     "host_mode",
     "kernel_has_match",
     "make_backend",
+    "served_families",
 ]
 
 log = logs.get(__name__)
@@ -140,9 +156,10 @@ class Portals:
         self._settings = Settings(tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev)
         self._applied: dict[tuple[Family, str], _Applied] = {}
         self._rendered: dict[ProxiedPort, list[Rule]] = {}
-        self._leftover_families: set[Family] = set()
+        self._leftovers_found: set[tuple[Family, str]] = set()
         self._lock = threading.Lock()
         self._warned_no_node_ip: set[Family] = set()
+        self._warned_unserved: set[ServicePortName] = set()
         self.commits = 0
         """Commits made (a sync with nothing to change makes none)."""
         self.repairs = 0
@@ -157,7 +174,7 @@ class Portals:
     def render(self, ports: Sequence[ProxiedPort]) -> list[Rule]:
         """The complete desired rule set for `ports` (what `apply` makes the kernel hold)."""
         families = {f for ip in self._settings.node_ips if (f := ip_family(ip))}
-        families |= {f for f, _ in self._applied} | self._leftover_families
+        families |= {f for f, _ in self._applied} | {f for f, _ in self._leftovers_found}
         # Keep only this call's ports in the cache, so removed services do not pile up.
         cache: dict[ProxiedPort, list[Rule]] = {}
         previous = self._rendered
@@ -165,15 +182,19 @@ class Portals:
             if pp in previous:
                 cache[pp] = previous[pp]
         self._rendered = cache
-        return render(ports, self._settings, families=families or {4}, cache=cache)
+        skipped: list[tuple[ServicePortName, str]] = []
+        rules = render(ports, self._settings, families=families, cache=cache, skipped=skipped)
+        self._warn_unserved(ports, skipped)
+        return rules
 
     def apply(self, ports: Sequence[ProxiedPort]) -> None:
         """Make the kernel hold exactly the rules for `ports`; blocking; PortalsError on failure."""
         with self._lock:
             if not self._applied:
-                self._leftover_families = {family for family, _ in self._leftovers()}
+                self._leftovers_found = self._leftovers()
             rules = self.render(ports)
-            keys = {(r.family, r.table) for r in rules} | set(self._applied)
+            # Tables of a family no longer served are emptied (plan.empty), not left behind.
+            keys = {(r.family, r.table) for r in rules} | set(self._applied) | self._leftovers_found
             self._warn_missing_node_ips({r.family for r in rules})
             errors: list[PortalsError] = []
             grouped = plan.group(rules)
@@ -213,6 +234,50 @@ class Portals:
             except PortalsError:
                 continue
         return found
+
+    def claimed_ports(self) -> dict[ClaimKey, int]:
+        """The proxy ports the installed rules send traffic to, e.g. those of an earlier run.
+
+        Keys are (`ns/name:port`, "TCP" or "UDP", "cluster" or "external"), read from both
+        families' KUBE-PORTALS-CONTAINER and KUBE-NODEPORT-CONTAINER chains (see
+        `rules.claimed`); read-only. {} when there are none, or (logged) when reading fails.
+        """
+        saved: list[tuple[str, str]] = []
+        with self._lock:
+            try:
+                for family in (4, 6):
+                    chains = self.backend.saved(family, NAT)
+                    for chain in (CONTAINER_PORTALS, CONTAINER_NODEPORTS):
+                        saved += [(chain, spec) for spec in chains.get(chain, ())]
+            except PortalsError as exc:
+                log.warning(
+                    "cannot read the proxy ports of the installed rules (%s): choosing new ones",
+                    exc,
+                )
+                return {}
+        return claimed(saved)
+
+    def _warn_unserved(
+        self, ports: Sequence[ProxiedPort], skipped: list[tuple[ServicePortName, str]]
+    ) -> None:
+        """Warn once per service port whose ClusterIPs of one family get no rules."""
+        if self._warned_unserved:  # forget ports that are gone, so the set stays small
+            self._warned_unserved &= {pp.info.name for pp in ports}
+        bind = self._settings.bind_address or "0.0.0.0"
+        served = "/".join(f"IPv{f}" for f in sorted(served_families(bind))) or "no family"
+        for name, ip in skipped:
+            if name in self._warned_unserved:
+                continue
+            self._warned_unserved.add(name)
+            log.warning(
+                "%s: no rules for its IPv%d ClusterIP %s: the proxy ports listen on %s (%s only);"
+                " use --bind-address :: for dual stack",
+                name,
+                ip_family(ip),
+                ip,
+                bind,
+                served,
+            )
 
     def _warn_missing_node_ips(self, families: set[Family]) -> None:
         for family in families - self._warned_no_node_ip:

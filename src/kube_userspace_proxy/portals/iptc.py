@@ -321,15 +321,16 @@ class IptcBackend:
     def __init__(self, lock_file: str | None = None) -> None:
         self._lock_file = lock_file or os.environ.get("XTABLES_LOCKFILE") or LOCK_FILE
         self._encoder = Encoder()
-        self._ipv6: RestoreBackend | None = None
+        self._legacy_restore: RestoreBackend | None = None
 
-    def _v6(self) -> RestoreBackend:
-        if self._ipv6 is None:
-            self._ipv6 = RestoreBackend("legacy")
-        return self._ipv6
+    def _restore(self) -> RestoreBackend:
+        """The iptables-legacy-restore backend: all of IPv6, and text reads of IPv4."""
+        if self._legacy_restore is None:
+            self._legacy_restore = RestoreBackend("legacy")
+        return self._legacy_restore
 
     def locked(self, family: Family) -> contextlib.AbstractContextManager[None]:
-        return self._v6().locked(6) if family == 6 else self._flock()
+        return self._restore().locked(6) if family == 6 else self._flock()
 
     @contextlib.contextmanager
     def _flock(self) -> Iterator[None]:
@@ -362,7 +363,7 @@ class IptcBackend:
 
     def read(self, family: Family, table: str) -> TableView:
         if family == 6:
-            return self._v6().read(family, table)
+            return self._restore().read(family, table)
         t = self._table(family, table)
         try:
             t.refresh()
@@ -370,10 +371,15 @@ class IptcBackend:
         except iptc.IPTCError as exc:
             raise PortalsError(f"cannot read the {table} table (IPv{family}): {exc}") from exc
 
+    def saved(self, family: Family, table: str) -> dict[str, tuple[str, ...]]:
+        # iptables-legacy-save prints the same legacy tables as text; libiptc would need each
+        # entry decoded by python-iptables (about a millisecond a rule).
+        return self._restore().saved(family, table)
+
     def commit(self, family: Family, table: str, ops: Sequence[Op]) -> TableView | None:
         """Apply `ops` to the table as last read, then commit it in one replace."""
         if family == 6:
-            return self._v6().commit(family, table, ops)
+            return self._restore().commit(family, table, ops)
         t = self._table(family, table)
         try:
             for op in ops:

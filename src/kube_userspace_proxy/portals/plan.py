@@ -99,6 +99,13 @@ class Backend(Protocol):
 
     def read(self, family: Family, table: str) -> TableView: ...
 
+    def saved(self, family: Family, table: str) -> Mapping[str, tuple[str, ...]]:
+        """Our chains' rules as `iptables-save` prints them after `-A CHAIN`, in order.
+
+        Read-only; empty when the table or the family's tools do not exist.
+        """
+        ...
+
     def commit(self, family: Family, table: str, ops: Sequence[Op]) -> TableView | None:
         """Apply `ops` in order as one atomic change of `table`; PortalsError on failure.
 

@@ -223,6 +223,14 @@ class RestoreBackend:
             self._known[(family, table)] = (generation, view)
         return view
 
+    def saved(self, family: Family, table: str) -> dict[str, tuple[str, ...]]:
+        if binary(family, self.mode, "save") is None:
+            return {}  # then no rules of that family can have been written in this mode
+        if self.mode == "legacy" and table not in legacy_tables(family):
+            return {}
+        rules, _ = parse_save(self._run(family, "save", ["-t", table]), table)
+        return {chain: tuple(rules[chain]) for chain in CHAINS[table] if chain in rules}
+
     def commit(self, family: Family, table: str, ops: Sequence[Op]) -> TableView | None:
         text = restore_text(table, ops)
         if log.isEnabledFor(logging.DEBUG):

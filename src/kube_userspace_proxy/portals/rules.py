@@ -27,15 +27,21 @@ node itself only when the IP is local. Without the physdev match in the kernel t
 drops that condition (pods then reach external IPs through the proxy too, as with kube-proxy's
 iptables mode). LoadBalancer ingress IPs are treated like ClusterIPs. Cluster traffic goes to
 `ProxiedPort.cluster_port`; NodePort, externalIP and LoadBalancer traffic to `external_port`.
+
+Rules are rendered only for the address families the proxy ports accept: `--bind-address`
+0.0.0.0 is IPv4 only, `::` is both (the proxy's sockets are dual-stack), any other address is
+its own family only. A ClusterIP of another family gets no rules: redirected there, its
+clients would be refused.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kube_userspace_proxy.model import ProxiedPort
+from kube_userspace_proxy.model import Path, ProxiedPort, ServicePortName
 from kube_userspace_proxy.netutil import Family, ip_family, join_host_port
 
 CONTAINER_PORTALS = "KUBE-PORTALS-CONTAINER"
@@ -54,7 +60,22 @@ CHAINS: dict[str, tuple[str, ...]] = {
 """Our chains per table, in the order they are declared."""
 OUR_CHAINS = frozenset(c for chains in CHAINS.values() for c in chains)
 
-_ANY = {"0.0.0.0", "::", ""}
+_WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+"""Bind addresses meaning every local address (of the families `served_families` gives)."""
+
+
+def served_families(bind_address: str) -> frozenset[Family]:
+    """The address families that proxy ports bound to `bind_address` accept connections of.
+
+    0.0.0.0 (or empty) is IPv4 only; `::` is both, as the ports are dual-stack sockets
+    (IPV6_V6ONLY off); any other address is its own family only.
+    """
+    if bind_address in ("", "0.0.0.0"):
+        return frozenset({4})
+    if bind_address == "::":
+        return frozenset({4, 6})
+    family = ip_family(bind_address)
+    return frozenset({family}) if family else frozenset()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -169,12 +190,14 @@ class Settings:
     physdev: bool = True
 
     def serves(self, family: Family) -> bool:
-        """False when the proxy listens on one address of the other family only."""
-        return self.bind_address in _ANY or ip_family(self.bind_address) == family
+        """True when the proxy ports accept connections of `family` (see `served_families`)."""
+        return family in served_families(self.bind_address)
 
     def host_ip(self, family: Family) -> str:
         """Where the node's own packets are DNATed: the bind address, else a node IP."""
-        if self.bind_address not in _ANY:
+        if not self.serves(family):
+            return ""
+        if self.bind_address not in _WILDCARDS:
             return self.bind_address
         return next((ip for ip in self.node_ips if ip_family(ip) == family), "")
 
@@ -196,6 +219,8 @@ class _Renderer:
     def __init__(self, settings: Settings) -> None:
         self.s = settings
         self.rules: list[Rule] = []
+        self.skipped: list[tuple[ServicePortName, str]] = []
+        """ClusterIPs left without rules because the proxy ports do not serve their family."""
         self._seen: set[Rule] = set()
 
     def add(self, rule: Rule) -> None:
@@ -210,12 +235,13 @@ class _Renderer:
             sub = _Renderer(self.s)
             sub.port(pp)
             rules = cache[pp] = sub.rules
+            self.skipped += sub.skipped
         return rules
 
     def container(self, match: Rule, chain: str, to_port: int, why: str) -> None:
         """A rule for arriving packets: REDIRECT, or DNAT to a specific bind address."""
         bind = self.s.bind_address
-        if bind in _ANY:
+        if bind in _WILDCARDS:
             self.add(replace(match, chain=chain, target="REDIRECT", to_port=to_port, why=why))
         else:
             self.add(
@@ -263,6 +289,8 @@ class _Renderer:
         families: set[Family] = set()
         for ip in info.cluster_ips:
             if (m := self.match(ip, pp)) is None:
+                if ip_family(ip) is not None:
+                    self.skipped.append((info.name, ip))
                 continue
             families.add(m.family)
             at = f"{proto} to ClusterIP {join_host_port(ip, info.port)} ({name})"
@@ -353,19 +381,26 @@ def render(
     *,
     families: Iterable[Family] = (),
     cache: dict[ProxiedPort, list[Rule]] | None = None,
+    skipped: list[tuple[ServicePortName, str]] | None = None,
 ) -> list[Rule]:
     """Every rule for `ports`: the built-in chain jumps of each family in use, then our chains.
 
     Ordered by family, table, then service port name; duplicates dropped. A family is in use
-    when a rule needs it or it is listed in `families` (IPv4 when nothing is). `cache` keeps
-    each port's rules between calls with the same settings (the caller drops stale entries).
+    when a rule needs it or it is listed in `families` and served (else the first family
+    served). `cache` keeps each port's rules between calls with the same settings (the caller
+    drops stale entries). `skipped` receives (service port, ClusterIP) for each ClusterIP of an
+    unserved family, from the ports rendered afresh (not from `cache`).
     """
     r = _Renderer(settings)
     memo: dict[ProxiedPort, list[Rule]] = {} if cache is None else cache
     for pp in sorted(ports, key=_order):
         for rule in r.cached(pp, memo):
             r.add(rule)
-    used = set(families) | {rule.family for rule in r.rules} or {4}
+    if skipped is not None:
+        skipped.extend(r.skipped)
+    served = served_families(settings.bind_address)
+    used = {f for f in families if f in served} | {rule.family for rule in r.rules}
+    used = used or set(sorted(served)[:1])
     out: list[Rule] = []
     for family in sorted(used):
         for table in TABLES:
@@ -392,4 +427,58 @@ def explain(
         tags = ["IPv6"] if rule.family == 6 else []
         tags += ["filter table"] if rule.table == FILTER else []
         out.append((rule.line, (" ".join(tags) + ": " if tags else "") + rule.why))
+    return out
+
+
+ClaimKey = tuple[str, str, str]
+"""(service port `ns/name:port`, protocol "TCP"/"UDP", path "cluster"/"external")."""
+
+_COMMENT = re.compile(r'--comment (?:"((?:[^"\\]|\\.)*)"|(\S+))')
+_PROTOCOL = re.compile(r"(?:^| )-p (\S+)")
+_TO_PORT = re.compile(r" (?:--to-ports |--to-destination \S*:)(\d+)(?: |$)")
+
+
+def claimed(saved: Iterable[tuple[str, str]]) -> dict[ClaimKey, int]:
+    """The proxy port of each service port's path, from (chain, spec) pairs as saved.
+
+    Reads the portal and NodePort rules of the container chains (`spec` as `iptables-save`
+    prints it after `-A CHAIN`), in kernel order. NodePort rules and the physdev/LOCAL external
+    IP variants point at the external port. A plain portal rule is a ClusterIP's or, just the
+    same, a LoadBalancer IP's (or an external IP's without physdev): its port is the cluster
+    port unless it is the external one; with two such ports and no other external rule (a
+    LoadBalancer without NodePort), the first in the chain is taken as the cluster port, as a
+    chain holds a service port's ClusterIP rules before its LoadBalancer rules.
+    """
+    plain: dict[tuple[str, str], list[int]] = {}
+    external: dict[tuple[str, str], int] = {}
+    for chain, spec in saved:
+        if chain not in (CONTAINER_PORTALS, CONTAINER_NODEPORTS):
+            continue
+        comment, protocol, port = (
+            _COMMENT.search(spec),
+            _PROTOCOL.search(spec),
+            _TO_PORT.search(spec),
+        )
+        if comment is None or protocol is None or port is None:
+            continue  # not one of our rules' shapes
+        name = comment[1].replace('\\"', '"') if comment[1] is not None else comment[2]
+        key = (name, protocol[1].upper())
+        if chain == CONTAINER_NODEPORTS or "--physdev-is-in" in spec or "--dst-type LOCAL" in spec:
+            external.setdefault(key, int(port[1]))
+        else:
+            ports = plain.setdefault(key, [])
+            if int(port[1]) not in ports:
+                ports.append(int(port[1]))
+    out: dict[ClaimKey, int] = {}
+    for key in sorted(plain.keys() | external.keys()):
+        ports = plain.get(key, [])
+        ext = external.get(key)
+        if ext is None and len(ports) > 1:
+            ext = ports[1]
+        others = [p for p in ports if p != ext]
+        cluster = others[0] if others else (ports[0] if ports else None)
+        if cluster is not None:
+            out[(*key, Path.CLUSTER.value)] = cluster
+        if ext is not None:
+            out[(*key, Path.EXTERNAL.value)] = ext
     return out
