@@ -27,7 +27,7 @@ from kube_userspace_proxy.model import ProxiedPort
 from kube_userspace_proxy.ops import OpsServer, start_ops
 from kube_userspace_proxy.portals import Portals, explain, make_backend
 from kube_userspace_proxy.ports import PortAllocator, parse_port_range
-from kube_userspace_proxy.proxier import Proxier, RuleSink, local_addresses_in
+from kube_userspace_proxy.proxier import ClaimKey, Proxier, RuleSink, local_addresses_in
 from kube_userspace_proxy.sources.kube import KubeSource, load_client_configuration
 from kube_userspace_proxy.sources.manifests import ManifestSource
 from kube_userspace_proxy.state import ClusterState
@@ -56,6 +56,9 @@ class _CountingRules:
         self._portals = portals
         self._metrics = metrics
         self._node_ips = node_ips
+
+    def claimed_ports(self) -> dict[ClaimKey, int]:
+        return self._portals.claimed_ports()
 
     def apply(self, ports: Sequence[ProxiedPort]) -> None:
         try:

@@ -34,10 +34,18 @@ log = logs.get(__name__)
 Listener = TcpListener | UdpListener
 
 
+ClaimKey = tuple[str, str, str]
+"""(`ns/name:port`, protocol, path): how installed rules name the proxy port they target."""
+
+
 class RuleSink(TypingProtocol):
     """What the proxier needs of the portals: take the full desired set, apply the difference."""
 
     def apply(self, ports: Sequence[ProxiedPort]) -> None: ...
+
+    def claimed_ports(self) -> dict[ClaimKey, int]:
+        """The proxy ports the rules installed now (perhaps by an earlier run) point at."""
+        ...
 
 
 @dataclass(slots=True)
@@ -84,6 +92,9 @@ class Proxier:
         self._retired: list[Listener] = []
         # Ports of retired listeners, released once a rule commit no longer names them.
         self._quarantine: list[tuple[Protocol, int]] = []
+        # Sockets on the ports an earlier run's rules point at, kept for the same service
+        # ports until the first commit; None until they have been read.
+        self._claims: dict[ClaimKey, socket.socket] | None = None
         self.node_name: str | None = None
 
     def set_rule_sink(self, portals: RuleSink | None) -> None:
@@ -95,6 +106,8 @@ class Proxier:
     async def sync(self, snapshot: Snapshot) -> None:
         """Make listeners, pools and rules match `snapshot`; per-port failures are contained."""
         self.node_name = snapshot.node_name
+        if self._claims is None:
+            await self._claim_previous_ports()
         for name in [n for n in self._served if n not in snapshot.services]:
             self._remove(name)
         for name in [n for n in self._errors if n not in snapshot.services]:
@@ -118,6 +131,9 @@ class Proxier:
                 raise
         for protocol, port in releasable:
             self._allocator.release(protocol, port)
+        if self._claims:
+            # The commit replaced the earlier run's rules: unclaimed ports name nothing now.
+            self._drop_claims()
 
     async def _reconcile_port(
         self, name: ServicePortName, info: ServicePortInfo, snapshot: Snapshot
@@ -169,11 +185,49 @@ class Proxier:
                 len(served.pools[Path.CLUSTER]),
             )
 
+    async def _claim_previous_ports(self) -> None:
+        """Hold the ports that installed rules point at, to give each back to its service port.
+
+        After a restart the earlier run's rules stay in place until the first commit; serving
+        each service port on the port its rules already name keeps its clients working
+        throughout, and no other service port can receive its traffic meanwhile.
+        """
+        self._claims = {}
+        if self._portals is None:
+            return
+        try:
+            claimed = await asyncio.to_thread(self._portals.claimed_ports)
+        except Exception as exc:
+            log.warning("cannot read the installed rules' proxy ports: %s", exc)
+            return
+        for key, port in sorted(claimed.items()):
+            protocol = Protocol(key[1])
+            try:
+                sock = self._allocator.reserve(protocol, name=key[0], prefer=port)
+            except (PortExhaustedError, OSError):
+                continue
+            if sock.getsockname()[1] != port:  # taken, or outside the range now
+                self._allocator.release(protocol, sock.getsockname()[1])
+                sock.close()
+                continue
+            self._claims[key] = sock
+        if self._claims:
+            log.info("holding %d proxy port(s) that installed rules point at", len(self._claims))
+
+    def _drop_claims(self) -> None:
+        assert self._claims is not None
+        for (_, protocol, _), sock in self._claims.items():
+            self._allocator.release(Protocol(protocol), sock.getsockname()[1])
+            sock.close()
+        self._claims.clear()
+
     def _open(self, served: _Served, path: Path) -> Listener:
         """Reserve a proxy port for `path` and make its listener; the caller starts it."""
         info = served.info
         pool = EndpointPool(info.name)
-        sock = self._allocator.reserve(info.protocol, name=str(info.name))
+        key = (str(info.name), str(info.protocol), str(path))
+        claimed = self._claims.pop(key, None) if self._claims else None
+        sock = claimed or self._allocator.reserve(info.protocol, name=str(info.name))
         listener = self._make_listener(sock, pool, served.stats, str(info.name))
         served.pools[path] = pool
         served.listeners[path] = listener
@@ -289,6 +343,8 @@ class Proxier:
             await asyncio.gather(*self._closing, return_exceptions=True)
         listeners.extend(self._retired)
         await asyncio.gather(*(lst.drain(grace) for lst in listeners), return_exceptions=True)
+        if self._claims:
+            self._drop_claims()
         self._served.clear()
         self._retired.clear()
 

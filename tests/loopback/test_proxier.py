@@ -110,9 +110,13 @@ def _snap(
 class RecordingRules:
     """A rule sink at the proxier's boundary: records each desired set, fails on request."""
 
-    def __init__(self) -> None:
+    def __init__(self, claimed: dict[tuple[str, str, str], int] | None = None) -> None:
         self.applied: list[list[ProxiedPort]] = []
         self.fail = False
+        self.claimed = claimed or {}
+
+    def claimed_ports(self) -> dict[tuple[str, str, str], int]:
+        return dict(self.claimed)
 
     def apply(self, ports: Sequence[ProxiedPort]) -> None:
         if self.fail:
@@ -246,3 +250,29 @@ async def test_node_port_sockets_follow_the_external_traffic_policy() -> None:
         for server in (server_l, server_r):
             server.close()
             await server.wait_closed()
+
+
+async def test_after_a_restart_each_service_port_gets_back_the_port_its_rules_name(
+    backend_port: int,
+) -> None:
+    old_a, old_b, gone = _free_port(), _free_port(), _free_port()
+    rules = RecordingRules(
+        {
+            (str(A), "TCP", "cluster"): old_a,
+            (str(B), "TCP", "cluster"): old_b,
+            ("default/deleted:http", "TCP", "cluster"): gone,
+        }
+    )
+    allocator = PortAllocator(None, host="127.0.0.1")
+    proxier = Proxier(allocator, portals=rules)
+    eps = {n: (Endpoint("127.0.0.1", backend_port),) for n in (A, B)}
+    try:
+        await proxier.sync(_snap([_info(A), _info(B)], eps))
+        assert (proxier.port_of(A), proxier.port_of(B)) == (old_a, old_b)
+        assert await ask(old_a) == "pod"
+        # The port of a Service that no longer exists was held only until the first commit.
+        assert gone not in allocator.reserved(Protocol.TCP)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", gone))
+    finally:
+        await proxier.shutdown(0.5)
