@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,18 @@ StartSource = Callable[..., Awaitable[Watching]]
 
 
 @pytest.fixture
+def logged(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """Records of the package logger at INFO and above, even when it does not propagate."""
+    logger = logging.getLogger("kube_userspace_proxy")
+    logger.addHandler(caplog.handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+    logger.setLevel(old_level)
+
+
+@pytest.fixture
 async def apiserver() -> AsyncIterator[FakeApiServer]:
     """A fake kube-apiserver on 127.0.0.1 (ephemeral port), stopped at the end."""
     server = FakeApiServer()
@@ -169,19 +182,31 @@ def kubeconfig(apiserver: FakeApiServer, tmp_path: Path) -> str:
 
 @pytest.fixture
 async def start_source(kubeconfig: str) -> AsyncIterator[StartSource]:
-    """`await start_source(**KubeSource kwargs, wait_listed=True)` -> Watching.
+    """`await start_source(**KubeSource kwargs, wait_listed=True, on_change=None)` -> Watching.
 
     Defaults suit tests: short backoff (0.05 s up to 0.5 s), 2 s request timeout, no rate
-    limit. Every source is cancelled at the end and must stop cleanly.
+    limit. `on_change` is also called on every state change. Every source is cancelled at
+    the end and must stop cleanly.
     """
     running: list[Watching] = []
 
-    async def start(*, wait_listed: bool = True, **kwargs: Any) -> Watching:
+    async def start(
+        *,
+        wait_listed: bool = True,
+        on_change: Callable[[], None] | None = None,
+        **kwargs: Any,
+    ) -> Watching:
         changes: list[float] = []
+
+        def changed() -> None:
+            changes.append(time.monotonic())
+            if on_change is not None:
+                on_change()
+
         state = ClusterState(
             node_name=kwargs.get("node_name", NODE),
             service_proxy_name=kwargs.get("service_proxy_name"),
-            on_change=lambda: changes.append(time.monotonic()),
+            on_change=changed,
         )
         options: dict[str, Any] = {
             "kubeconfig": kubeconfig,

@@ -3,7 +3,8 @@
 It speaks the real wire protocol (LIST with `metadata.resourceVersion`, WATCH as JSON lines,
 410 Expired, bookmarks, selectors, pagination) so the unmodified kubernetes-asyncio client can
 be tested against it, and it has fault switches for the bad days: dropped watches, compacted
-history, failing or hanging requests, and a full stop and restart on the same port.
+history, failing or hanging requests, malformed watch lines and bodies, and a full stop and
+restart on the same port.
 
 Run it alone: `python -m tests.fakes.apiserver --port 6443 --kubeconfig /tmp/fake.kubeconfig
 [--seed objects.yaml ...]`.
@@ -93,6 +94,24 @@ class _Event:
 
 _DROP = object()  # queue sentinel: end the watch abruptly
 _END = object()  # queue sentinel: end the watch cleanly
+
+
+@dataclass(frozen=True, slots=True)
+class _Raw:
+    """Queue item: bytes written to a watch stream as they are (a malformed line)."""
+
+    data: bytes
+
+
+@dataclass(slots=True)
+class _RawAnswer:
+    remaining: int
+    body: bytes
+    plural: str | None
+    verb: str | None
+
+    def applies(self, plural: str, verb: str) -> bool:
+        return self.remaining > 0 and self.plural in (None, plural) and self.verb in (None, verb)
 
 
 @dataclass(eq=False, slots=True)
@@ -224,6 +243,7 @@ class FakeApiServer:
         self._watchers: set[_Watcher] = set()
         self._faults: list[_Fault] = []
         self._hangs: list[_Fault] = []
+        self._raw_answers: list[_RawAnswer] = []
         self._hang_release = asyncio.Event()
         self._continues: dict[str, tuple[int, list[Obj], str]] = {}
         self._runner: web.AppRunner | None = None
@@ -312,9 +332,40 @@ class FakeApiServer:
         """Answer the next `count` matching resource requests with `status` (429: Retry-After)."""
         self._faults.append(_Fault(count, status, retry_after, plural, verb))
 
+    def inject_raw(self, line: str | bytes, *, plural: str | None = None) -> int:
+        """Write `line` (newline added if missing) as it is into every open watch of `plural`.
+
+        For malformed events: `'{"type":"MODIFIED","object":"oops"}'`, `'["x"]'`, `'garbage'`.
+        Returns how many watches got it.
+        """
+        data = line.encode() if isinstance(line, str) else line
+        if not data.endswith(b"\n"):
+            data += b"\n"
+        kind = KINDS[plural].kind if plural is not None else None
+        targets = [w for w in self._watchers if kind in (None, w.kind)]
+        for watcher in targets:
+            watcher.queue.put_nowait(_Raw(data))
+        return len(targets)
+
+    def raw_next(
+        self,
+        count: int,
+        body: str | bytes,
+        *,
+        plural: str | None = None,
+        verb: str | None = None,
+    ) -> None:
+        """Answer the next `count` matching resource requests with 200 and `body` as it is.
+
+        For malformed list bodies (a watch answered so gets `body` as its whole stream).
+        """
+        data = body.encode() if isinstance(body, str) else body
+        self._raw_answers.append(_RawAnswer(count, data, plural, verb))
+
     def clear_faults(self) -> None:
-        """Cancel pending failures and release hung requests."""
+        """Cancel pending failures, raw answers and release hung requests."""
         self._faults.clear()
+        self._raw_answers.clear()
         self._hangs.clear()
         self._hang_release.set()
         self._hang_release = asyncio.Event()
@@ -476,6 +527,11 @@ class FakeApiServer:
                     if fault.applies(plural, verb):
                         fault.remaining -= 1
                         raise _Injected(fault.status, fault.retry_after)
+                for answer in self._raw_answers:
+                    if answer.applies(plural, verb):
+                        answer.remaining -= 1
+                        status = 200
+                        return web.Response(body=answer.body, content_type="application/json")
             response: web.StreamResponse = await handler(request)
             status = response.status
             return response
@@ -682,6 +738,9 @@ class FakeApiServer:
             if item is _END:
                 await response.write_eof()
                 return
+            if isinstance(item, _Raw):
+                await response.write(item.data)
+                continue
             if item == "BOOKMARK":
                 if bookmarks:
                     mark = {

@@ -291,3 +291,110 @@ async def test_later_file_still_wins_after_the_earlier_one_is_edited(
     await eventually(lambda: "default/api:http" in names(state), "a.yaml loaded")
     ports = {str(n): i.port for n, i in state.snapshot().services.items()}
     assert ports["default/web:http"] == 81
+
+
+# -- malformed List nesting and unexpected errors ---------------------------------------------
+
+SELF_REFERENCING_LIST = "kind: List\nitems: &items\n  - kind: List\n    items: *items\n"
+LIST_SHARED_BY_ALIAS = """\
+kind: List
+items:
+  - &inner {kind: List, items: [{kind: Service, metadata: {name: web}}]}
+  - *inner
+"""
+
+
+def nested_lists(depth: int) -> str:
+    document: dict[str, Any] = service("web")
+    for _ in range(depth):
+        document = {"kind": "List", "items": [document]}
+    return yaml.safe_dump(document)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (SELF_REFERENCING_LIST, "a kind: List appears twice or inside itself"),
+        (LIST_SHARED_BY_ALIAS, "a kind: List appears twice or inside itself"),
+        (nested_lists(17), "kind: List nested over 16 deep"),
+    ],
+    ids=["self-referencing", "shared-by-alias", "too-deep"],
+)
+async def test_malformed_list_nesting_is_a_manifest_error(
+    tmp_path: Path, text: str, problem: str
+) -> None:
+    path = tmp_path / "lists.yaml"
+    path.write_text(text)
+    with pytest.raises(ManifestError, match=f"^{path}: {problem}"):
+        await ManifestSource([path], ClusterState()).load_once()
+
+
+async def test_lists_nested_within_the_limit_are_read(tmp_path: Path) -> None:
+    write(tmp_path / "lists.yaml", nested_lists(16))
+    state = ClusterState()
+    await ManifestSource([tmp_path], state).load_once()
+    assert names(state) == {"default/web:http"}
+
+
+async def test_self_referencing_list_keeps_last_good_state_and_polling_goes_on(
+    tmp_path: Path,
+    running: Callable[[ManifestSource], None],
+    logged: pytest.LogCaptureFixture,
+) -> None:
+    path = tmp_path / "services.yaml"
+    other = tmp_path / "other.yaml"
+    write_yaml(path, service("web"))
+    write_yaml(other, service("db"))
+    state = ClusterState()
+    source = ManifestSource([tmp_path], state, poll_interval=POLL)
+    running(source)
+    await eventually(lambda: names(state) == {"default/web:http", "default/db:http"}, "loaded")
+
+    write(path, SELF_REFERENCING_LIST)
+    await eventually(lambda: errors(logged) != [], "error logged")
+    assert errors(logged) == [
+        f"{path}: a kind: List appears twice or inside itself (a YAML alias loop?)"
+        " (keeping its last good objects)"
+    ]
+    write_yaml(other, service("db"), service("cache"))  # other files keep working
+    await eventually(lambda: "default/cache:http" in names(state), "other file reloaded")
+    assert names(state) == {"default/web:http", "default/db:http", "default/cache:http"}
+
+    write_yaml(path, service("api"))
+    await eventually(lambda: "default/api:http" in names(state), "fixed file loaded")
+
+
+async def test_unexpected_poll_error_is_logged_and_polling_goes_on(
+    tmp_path: Path,
+    running: Callable[[ManifestSource], None],
+    logged: pytest.LogCaptureFixture,
+) -> None:
+    failing: list[bool] = []
+
+    def on_change() -> None:
+        if failing:
+            failing.clear()
+            raise RuntimeError("a bug in a change callback")
+
+    path = tmp_path / "services.yaml"
+    write_yaml(path, service("web"))
+    state = ClusterState(on_change=on_change)
+    source = ManifestSource([path], state, poll_interval=POLL)
+    running(source)
+    await eventually(lambda: names(state) == {"default/web:http"}, "loaded")
+
+    failing.append(True)  # the next feed of the state fails
+    write_yaml(path, service("api"))
+    await eventually(lambda: errors(logged) != [], "error logged")
+    records = list(dict.fromkeys(r for r in logged.records if r.levelno >= logging.ERROR))
+    assert [r.getMessage() for r in records] == [
+        "manifest poll failed, keeping the last good objects: "
+        "RuntimeError: a bug in a change callback"
+    ]
+    assert records[0].exc_info is not None  # with the traceback
+    await eventually(
+        lambda: any(r.getMessage() == "manifest polling works again" for r in logged.records),
+        "the next poll succeeding",
+    )
+    write_yaml(path, service("db"))
+    await eventually(lambda: names(state) == {"default/db:http"}, "a later edit")

@@ -4,14 +4,17 @@ Each resource is followed by its own loop in the style of client-go's reflector 
 watching.py: list (paginated) and `state.replace` the whole kind, then watch from the list's
 resourceVersion; a stream that ends or times out resumes from the last version seen (bookmarks
 keep it fresh); 410 Gone relists and reconciles; any other failure backs off exponentially with
-jitter (honouring Retry-After) and retries, keeping the last good state meanwhile. Only raw JSON
-is decoded: the client's model deserialisation is too slow for big clusters.
+jitter (honouring Retry-After) and retries, keeping the last good state meanwhile. A malformed
+event or list is such a failure too (one log line, rate-limited), and anything unexpected is
+logged and relisted: no input ends a loop. Only raw JSON is decoded: the client's model
+deserialisation is too slow for big clusters.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import random
@@ -32,7 +35,7 @@ from kube_userspace_proxy.sources.retry import (
     RateLimiter,
     parse_retry_after,
 )
-from kube_userspace_proxy.state import ClusterState
+from kube_userspace_proxy.state import ClusterState, Event
 
 log = logs.get(__name__)
 
@@ -107,15 +110,21 @@ class Expired(Exception):
     """410 Gone: the resourceVersion (or continue token) is too old; relist."""
 
 
-# JSONDecodeError/UnicodeDecodeError: a truncated or garbled body; resume like any failure.
-_RETRYABLE = (
-    aiohttp.ClientError,
-    OSError,
-    TimeoutError,
-    ApiStatusError,
-    json.JSONDecodeError,
-    UnicodeDecodeError,
-)
+class BadData(Exception):
+    """The API server sent what the API does not allow: a malformed watch event or list body."""
+
+    def __init__(self, problem: str, raw: bytes | None = None, detail: str = "") -> None:
+        text = f"{problem} ({detail})" if detail else problem
+        super().__init__(text if raw is None else f"{text}: {_excerpt(raw)}")
+        self.problem = problem  # no data in it: the key for rate-limiting the log line
+
+
+# Failures of the connection or the server: back off and retry. (Undecodable bodies are BadData.)
+_RETRYABLE = (aiohttp.ClientError, OSError, TimeoutError, ApiStatusError)
+
+_EXCERPT = 160  # bytes of a bad line quoted in the log
+REPEAT_LOG_INTERVAL = 60.0  # seconds: the same trouble is logged at most once per interval
+_WATCH_EVENTS: dict[str, Event] = {"ADDED": "ADDED", "MODIFIED": "MODIFIED", "DELETED": "DELETED"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +173,9 @@ class KubeSource:
         self._relist_period = relist_period or None
         self._versions: dict[Kind, str] = {}
         self.relists_total = 0
-        self.errors_total = 0
+        self.errors_total = 0  # every failed list or watch, bad data and unexpected errors too
+        self.bad_data_total = 0  # malformed events and list bodies
+        self._repeats = RepeatLimiter(REPEAT_LOG_INTERVAL)
 
     def resource_version(self, kind: Kind) -> str | None:
         """The version a watch of `kind` would resume from (None before the first list)."""
@@ -195,7 +206,7 @@ class KubeSource:
             for resource in self._resources(api):
                 try:
                     await self._list(resource)
-                except (*_RETRYABLE, Expired) as exc:
+                except (*_RETRYABLE, Expired, BadData) as exc:
                     raise ProxyError(
                         f"cannot list {resource.kind}s from {configuration.host}: {_describe(exc)}"
                     ) from exc
@@ -253,6 +264,25 @@ class KubeSource:
                 listed = False
                 if gone_in_a_row > 1:
                     await asyncio.sleep(backoff.next())
+            except BadData as exc:
+                # A stream failure like any other: the resume point is the last good event.
+                self.errors_total += 1
+                self.bad_data_total += 1
+                delay = backoff.next()
+                self._repeats.log(
+                    (res.kind, exc.problem),
+                    logging.WARNING,
+                    "%s %s: bad %s from the API server, %s; %s in %.2fs",
+                    res.kind,
+                    "watch" if listed else "list",
+                    "event" if listed else "response",
+                    exc,
+                    f"resuming from version {self._versions.get(res.kind)}"
+                    if listed
+                    else "listing again",
+                    delay,
+                )
+                await asyncio.sleep(delay)
             except _RETRYABLE as exc:
                 self.errors_total += 1
                 retry_after = exc.retry_after if isinstance(exc, ApiStatusError) else None
@@ -264,6 +294,20 @@ class KubeSource:
                     _describe(exc),
                     backoff.failures,
                     delay,
+                )
+                await asyncio.sleep(delay)
+            except Exception as exc:  # data or a bug nobody foresaw: this loop must never end
+                self.errors_total += 1
+                listed = False  # the state may have missed part of a change: start over
+                delay = backoff.next()
+                self._repeats.log(
+                    (res.kind, type(exc).__name__),
+                    logging.ERROR,
+                    "%s: unexpected error (%s); relisting in %.2fs",
+                    res.kind,
+                    _describe(exc),
+                    delay,
+                    exc_info=True,
                 )
                 await asyncio.sleep(delay)
 
@@ -290,20 +334,44 @@ class KubeSource:
                 log.info("%s list continue token expired; listing again", res.kind)
                 items, token = [], None
                 continue
-            items.extend(body.get("items") or ())
-            meta = body.get("metadata") or {}
+            items.extend(self._list_items(res, body))
+            meta = body.get("metadata")
+            if not isinstance(meta, dict):
+                raise BadData(f"list metadata is {_json_type(meta)}, not an object")
             token = meta.get("continue") or None
+            if token is not None and not isinstance(token, str):
+                raise BadData(f"list metadata.continue is {_json_type(token)}, not a string")
             if token is None:
                 break
-        version = str(meta.get("resourceVersion") or "")
-        if not version:
-            raise ApiStatusError(0, f"{res.kind} list without metadata.resourceVersion")
+        version = meta.get("resourceVersion")
+        if not isinstance(version, str) or not version:
+            raise BadData(f"list metadata.resourceVersion is {_json_type(version)}, not a version")
         if res.kind == "Node":
             self._state.set_node(items[0] if items else None)
         else:
             self._state.replace(res.kind, items)
         log.debug("%s listed: %d objects at version %s", res.kind, len(items), version)
         return version
+
+    def _list_items(self, res: _Resource, body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        """The objects of one list page; items that are not objects are dropped, counted once."""
+        items = body.get("items")
+        if items is None:
+            return []
+        if not isinstance(items, list):
+            raise BadData(f"list items is {_json_type(items)}, not an array")
+        good: list[Mapping[str, Any]] = [item for item in items if isinstance(item, dict)]
+        if len(good) < len(items):
+            self.bad_data_total += 1
+            self._repeats.log(
+                (res.kind, "list items"),
+                logging.WARNING,
+                "%s list: skipping %d of %d items that are not objects",
+                res.kind,
+                len(items) - len(good),
+                len(items),
+            )
+        return good
 
     async def _request_json(self, res: _Resource, params: dict[str, Any]) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(
@@ -318,9 +386,13 @@ class KubeSource:
         )
         async with response:
             await _check(response)
-            body = json.loads(await response.read())
+            raw = await response.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # garbled, not UTF-8, absurdly nested
+            raise BadData("list body is not JSON", raw, _describe(exc)) from exc
         if not isinstance(body, dict):
-            raise ApiStatusError(0, f"{res.kind} list is not a JSON object")
+            raise BadData(f"list body is {_json_type(body)}, not an object", raw)
         return body
 
     async def _watch(self, res: _Resource, version: str, relist_in: float) -> int:
@@ -346,27 +418,119 @@ class KubeSource:
         async with response:
             await _check(response)
             async for line in _json_lines(response.content):
-                event = json.loads(line)
-                type_ = event.get("type")
-                obj = event.get("object") or {}
+                type_, obj = parse_event(line)
                 if type_ == "ERROR":
-                    code = int(obj.get("code") or 0)
+                    code, reason = _error_status(obj)
                     if code == 410:
-                        raise Expired(obj.get("message", "Gone"))
-                    raise ApiStatusError(code, str(obj.get("message") or obj.get("reason")))
-                if type_ in {"ADDED", "MODIFIED", "DELETED"}:
+                        raise Expired(reason)
+                    raise ApiStatusError(code, reason)
+                change = _WATCH_EVENTS.get(type_)
+                if change is not None:
                     if res.kind == "Node":
-                        self._state.set_node(None if type_ == "DELETED" else obj)
+                        self._state.set_node(None if change == "DELETED" else obj)
                     else:
-                        self._state.apply(res.kind, type_, obj)
+                        self._state.apply(res.kind, change, obj)
                 elif type_ != "BOOKMARK":
-                    log.warning("%s watch: ignoring event type %r", res.kind, type_)
+                    self._repeats.log(
+                        (res.kind, "event type"),
+                        logging.WARNING,
+                        "%s watch: ignoring event type %r",
+                        res.kind,
+                        type_[:_EXCERPT],
+                    )
                     continue
                 events += 1
-                new_version = (obj.get("metadata") or {}).get("resourceVersion")
+                new_version = obj["metadata"].get("resourceVersion")
                 if new_version:
-                    self._versions[res.kind] = str(new_version)
+                    self._versions[res.kind] = new_version
         return events
+
+
+class RepeatLimiter:
+    """Logs one kind of trouble at most once per `interval`; the next line counts the repeats."""
+
+    def __init__(self, interval: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval = interval
+        self._clock = clock
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}  # key -> (logged at, repeats)
+
+    def log(
+        self, key: tuple[str, str], level: int, msg: str, *args: object, exc_info: bool = False
+    ) -> bool:
+        """Log unless `key` was logged within the interval; True when a line was written."""
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self._interval:
+            self._last[key] = (last[0], last[1] + 1)
+            return False
+        if last is not None and last[1]:
+            msg += " (%d more like it in the last %.0fs)"
+            args = (*args, last[1], now - last[0])
+        self._last[key] = (now, 0)
+        log.log(level, msg, *args, exc_info=exc_info)
+        return True
+
+
+def parse_event(line: bytes) -> tuple[str, dict[str, Any]]:
+    """One watch-stream line as (type, object); BadData unless it is a well-formed event.
+
+    Every event's object must be an object; ADDED/MODIFIED/DELETED/BOOKMARK objects must
+    have object metadata whose resourceVersion, when present, is a string.
+    """
+    try:
+        event = json.loads(line)
+    except (ValueError, RecursionError) as exc:  # garbled, not UTF-8, absurdly nested
+        raise BadData("line is not JSON", line, _describe(exc)) from exc
+    if not isinstance(event, dict):
+        raise BadData(f"event is {_json_type(event)}, not an object", line)
+    type_ = event.get("type")
+    if not isinstance(type_, str):
+        raise BadData(f"event type is {_json_type(type_)}, not a string", line)
+    obj = event.get("object")
+    if not isinstance(obj, dict):
+        raise BadData(f"event object is {_json_type(obj)}, not an object", line)
+    if type_ in _WATCH_EVENTS or type_ == "BOOKMARK":
+        meta = obj.get("metadata")
+        if not isinstance(meta, dict):
+            raise BadData(f"object metadata is {_json_type(meta)}, not an object", line)
+        version = meta.get("resourceVersion")
+        if version is not None and not isinstance(version, str):
+            raise BadData(f"resourceVersion is {_json_type(version)}, not a string", line)
+    return type_, obj
+
+
+def _error_status(status: Mapping[str, Any]) -> tuple[int, str]:
+    """(code, message) of an ERROR event's Status; code 0 when it is not an HTTP status."""
+    raw = status.get("code")
+    code = 0
+    if isinstance(raw, int) and not isinstance(raw, bool) and 100 <= raw <= 599:
+        code = raw
+    elif isinstance(raw, str) and len(raw) == 3 and raw.isascii() and raw.isdigit():
+        code = int(raw)
+    reason = str(status.get("message") or status.get("reason") or "ERROR event")[:_EXCERPT]
+    if code == 0 and raw is not None:
+        reason += f" (code {str(raw)[:_EXCERPT]!r})"
+    return code, reason
+
+
+def _json_type(value: object) -> str:
+    """What a decoded JSON value is, in JSON's words (for log lines)."""
+    if value is None:
+        return "null or missing"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string" if value else "an empty string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _excerpt(raw: bytes) -> str:
+    text = raw[:_EXCERPT].decode("utf-8", "replace")
+    return repr(text) + ("..." if len(raw) > _EXCERPT else "")
 
 
 async def _check(response: aiohttp.ClientResponse) -> None:

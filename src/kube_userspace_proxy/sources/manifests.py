@@ -1,13 +1,15 @@
 """ManifestSource: Services and EndpointSlices from YAML/JSON files, reloaded when they change.
 
 The same objects `kubectl apply -f` takes (multi-document YAML, `kind: List`); other kinds are
-ignored. A file that stops parsing keeps its last good objects until it parses again.
+ignored. A file that stops parsing keeps its last good objects until it parses again; nothing in
+a file (nor an unexpected error in a poll) ends the polling.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ log = logs.get(__name__)
 
 SUFFIXES = frozenset({".yaml", ".yml", ".json"})
 KINDS: tuple[Kind, ...] = ("Service", "EndpointSlice")
+MAX_LIST_DEPTH = 16  # `kind: List` inside `kind: List` ...; deeper is refused as malformed
 
 # What identifies a file's content cheaply: a rewrite, a rename over it or an append changes it.
 Signature = tuple[int, int, int, int]  # (mtime_ns, size, inode, device)
@@ -56,29 +59,56 @@ def read_manifest(path: Path) -> list[tuple[Kind, dict[str, Any]]]:
         raise ManifestError(f"{path}: {exc}") from exc
     except (ValueError, RecursionError) as exc:  # PyYAML's date constructor: `2024-13-45`
         raise ManifestError(f"{path}: {exc}") from exc
-    return list(_objects(documents))
+    except Exception as exc:  # whatever else the parsers raise on odd input is the file's fault
+        raise ManifestError(f"{path}: {type(exc).__name__}: {exc}") from exc
+    return _objects(documents, path)
 
 
-def _objects(documents: Sequence[Any]) -> Iterator[tuple[Kind, dict[str, Any]]]:
-    for document in documents:
+def _objects(documents: Sequence[Any], path: Path) -> list[tuple[Kind, dict[str, Any]]]:
+    """The Services and EndpointSlices in documents, `kind: List` items flattened in order.
+
+    Iterative, and each List is walked once: YAML aliases can make a List contain itself,
+    or share one List many times over (exponential work); both are a ManifestError.
+    """
+    found: list[tuple[Kind, dict[str, Any]]] = []
+    walked: set[int] = set()  # id() of every List (and items array) walked so far
+    stack: list[Iterator[Any]] = [iter(documents)]
+    while stack:
+        document = next(stack[-1], _DONE)
+        if document is _DONE:
+            stack.pop()
+            continue
         if not isinstance(document, dict):
             continue  # empty documents (`---` at the end) and stray scalars
         kind = document.get("kind")
         if kind == "List":
             items = document.get("items")
-            yield from _objects(items if isinstance(items, list) else [])
+            # Only ids of objects that `documents` keeps alive: a freed object's id is reused.
+            ids = (id(document), id(items)) if isinstance(items, list) else (id(document),)
+            if not walked.isdisjoint(ids):
+                raise ManifestError(
+                    f"{path}: a kind: List appears twice or inside itself (a YAML alias loop?)"
+                )
+            if len(stack) > MAX_LIST_DEPTH:
+                raise ManifestError(f"{path}: kind: List nested over {MAX_LIST_DEPTH} deep")
+            walked.update(ids)
+            stack.append(iter(items if isinstance(items, list) else ()))
         elif kind in KINDS:
             metadata = document.get("metadata")
             # As kubectl: an object without a namespace goes to "default".
             if isinstance(metadata, dict) and not metadata.get("namespace"):
                 metadata["namespace"] = "default"
-            yield kind, document
+            found.append((kind, document))
+    return found
+
+
+_DONE = object()  # end of one level in _objects' walk
 
 
 def _signature(path: Path) -> Signature | None:
     try:
         st = path.stat()
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL byte in the path
         return None
     return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
 
@@ -104,6 +134,8 @@ class ManifestSource:
         self._order: list[Path] = []  # files in command-line / directory order: later ones win
         self._failed: dict[Path, Signature | None] = {}  # broken files, logged at this signature
         self._first = True
+        self._generation = 0  # bumped whenever the loaded objects change ...
+        self._fed = 0  # ... and the generation the state last took
         self.polls = 0  # polls done; reloads: polls that found changed objects
         self.reloads = 0
         self.errors = 0
@@ -140,21 +172,38 @@ class ManifestSource:
                 if not path.exists():
                     raise ManifestError(f"{path}: no such manifest file or directory")
                 read_manifest(path)
-        if await asyncio.to_thread(self._read, self._scan(), force=True):
-            self._feed()
+        await asyncio.to_thread(self._read, self._scan(), force=True)
+        self._feed_pending()
 
     async def run(self) -> None:
-        """Load, then reload whenever a file changes; runs until cancelled."""
+        """Load, then reload whenever a file changes; runs until cancelled.
+
+        No error ends it: a failed poll is logged (once while it keeps failing the same way),
+        the state keeps the last good objects, and the next poll tries again.
+        """
+        failing: str | None = None
         while True:
             try:
                 current = self._scan()
                 # Parse off the loop; feed the state on it (on_change may touch the loop).
-                if (self._first or self._changed(current)) and await asyncio.to_thread(
-                    self._read, current, force=self._first
-                ):
-                    self._feed()
-            except (OSError, ManifestError) as exc:  # keep watching; the next poll may succeed
-                log.warning("manifest poll failed: %s", exc)
+                if self._first or self._changed(current):
+                    await asyncio.to_thread(self._read, current, force=self._first)
+                self._feed_pending()
+            except Exception as exc:  # the backstop: keep the last good state, keep polling
+                text = f"{type(exc).__name__}: {exc}"
+                if text != failing:
+                    expected = isinstance(exc, OSError | ManifestError)
+                    log.log(
+                        logging.WARNING if expected else logging.ERROR,
+                        "manifest poll failed, keeping the last good objects: %s",
+                        text,
+                        exc_info=not expected,
+                    )
+                failing = text
+            else:
+                if failing is not None:
+                    log.info("manifest polling works again")
+                    failing = None
             self.polls += 1
             await asyncio.sleep(self.poll_interval)
 
@@ -178,9 +227,12 @@ class ManifestSource:
     def _read(self, current: dict[Path, Signature | None], *, force: bool = False) -> bool:
         """Re-read the files whose signature changed; True when the objects changed."""
         changed = force
+        if force:
+            self._generation += 1
         for path in [p for p in self._loaded if p not in current]:
             log.info("manifest %s is gone: its objects are removed", path)
             del self._loaded[path]
+            self._generation += 1
             changed = True
         for path in [p for p in self._failed if p not in current]:
             del self._failed[path]
@@ -198,10 +250,14 @@ class ManifestSource:
             except ManifestError as exc:
                 self._fail(path, signature, str(exc))
                 continue
+            except Exception as exc:  # unforeseen content: this file fails, the others load
+                self._fail(path, signature, f"{path}: {type(exc).__name__}: {exc}", trace=True)
+                continue
             if path in self._failed:
                 log.info("manifest %s parses again", path)
                 del self._failed[path]
             self._loaded[path] = _Loaded(signature, objects)
+            self._generation += 1
             changed = True
         self._first = False
         self._order = list(current)
@@ -209,11 +265,25 @@ class ManifestSource:
             self.reloads += 1
         return changed
 
-    def _fail(self, path: Path, signature: Signature | None, message: str) -> None:
+    def _fail(
+        self, path: Path, signature: Signature | None, message: str, *, trace: bool = False
+    ) -> None:
         self.errors += 1
         self._failed[path] = signature
         kept = path in self._loaded
-        log.error("%s (%s)", message, "keeping its last good objects" if kept else "nothing loaded")
+        log.error(
+            "%s (%s)",
+            message,
+            "keeping its last good objects" if kept else "nothing loaded",
+            exc_info=trace,
+        )
+
+    def _feed_pending(self) -> None:
+        """Feed the state if the loaded objects changed since it was last fed (or failed to be)."""
+        generation = self._generation
+        if generation != self._fed:
+            self._feed()
+            self._fed = generation
 
     def _feed(self) -> None:
         by_kind: dict[Kind, dict[tuple[str, str], Mapping[str, Any]]] = {k: {} for k in KINDS}
