@@ -482,6 +482,19 @@ def test_skipped_ipv6_cluster_ip_is_warned_about_once_per_service_port(
     ]
 
 
+def test_ipv6_rules_of_a_run_with_bind_address_any6_go_when_restarted_with_0_0_0_0() -> None:
+    backend = MemoryBackend()
+    dual = port(cluster_ips=("10.96.0.10", "fd00:96::10"), node_port=30080)
+    for bind in ("::", "0.0.0.0"):
+        portals = Portals(
+            backend, node_ips=("10.244.0.1", "fd00::1"), bind_address=bind, physdev=True
+        )
+        portals.apply([dual])
+        held = {key: [r for c in t.chains.values() for r in c] for key, t in backend.held.items()}
+        assert held[(4, "nat")] and held[(4, "filter")]
+        assert bool(held[(6, "nat")]) == bool(held[(6, "filter")]) == (bind == "::")
+
+
 # ---- proxy ports claimed by installed rules -----------------------------------------------
 
 
