@@ -133,8 +133,10 @@ async def test_error_event_with_code_410_as_a_string_relists(
     watching = await _listed_with_web(apiserver, start_source)
     status = {"kind": "Status", "code": "410", "reason": "Expired"}
     apiserver.inject_raw(json.dumps({"type": "ERROR", "object": status}), plural="services")
-    await eventually(lambda: watching.source.relists_total == 1, what="the relist")
-    assert apiserver.count("services", "list") == 2
+    await eventually(
+        lambda: watching.source.relists_total == 1 and apiserver.count("services", "list") == 2,
+        what="the relist",
+    )
     await _still_following(apiserver, watching)
 
 

@@ -542,7 +542,7 @@ async def _check(response: aiohttp.ClientResponse) -> None:
         body = json.loads(await response.read())
         if isinstance(body, dict):
             reason = str(body.get("message") or body.get("reason") or reason)
-    except (ValueError, aiohttp.ClientError):
+    except (ValueError, RecursionError, aiohttp.ClientError):
         pass  # keep the HTTP reason
     if response.status == 410:
         raise Expired(reason)
