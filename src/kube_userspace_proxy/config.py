@@ -92,7 +92,7 @@ class ProxyConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     bind_address: str = "0.0.0.0"
-    """IP the proxy ports listen on (`--bind-address`); 0.0.0.0 serves every local address."""
+    """IP the proxy ports listen on; 0.0.0.0: all IPv4 addresses, `::`: both families."""
     proxy_port_range: str = ""
     """Proxy ports: `begin-end`, `begin+offset`, one port, or empty/`0-0` (kernel-chosen)."""
     udp_idle_timeout: float = 0.25
