@@ -148,8 +148,10 @@ class ManifestSource:
                 try:
                     entries = sorted(os.scandir(path), key=lambda e: e.name)
                 except OSError as exc:
-                    log.warning("cannot list manifest directory %s: %s", path, exc)
-                    continue
+                    # Not "the files are gone": fail this poll, so the last good objects stay.
+                    raise OSError(
+                        exc.errno, f"cannot list manifest directory {path}: {exc.strerror}"
+                    ) from exc
                 found.extend(
                     Path(e.path)
                     for e in entries
