@@ -89,6 +89,10 @@ class RoundRobin:
     def __bool__(self) -> bool:
         return bool(self.endpoints)
 
+    @property
+    def addresses(self) -> tuple[tuple[str, int], ...]:
+        return tuple(self.endpoints)
+
 
 # --- TCP backends
 

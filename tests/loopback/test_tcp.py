@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import errno
 import hashlib
+import logging
 import os
+import resource
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -218,7 +220,7 @@ async def test_refusing_endpoint_is_skipped_without_client_visible_error(
 
 
 @BOTH_LOOPS
-async def test_all_endpoints_refusing_closes_the_client_quickly(
+async def test_all_endpoints_refusing_resets_the_client_quickly(
     tcp_listener: Listeners,
     refusing_endpoint: tuple[str, int],
     round_robin: Any,
@@ -227,10 +229,12 @@ async def test_all_endpoints_refusing_closes_the_client_quickly(
     listener = await tcp_listener(round_robin(refusing_endpoint), stats=stats)
     reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
     started = time.monotonic()
-    with contextlib.suppress(ConnectionError):
-        assert await asyncio.wait_for(reader.read(), 2) == b""
+    try:
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(reader.read(), 2)
+    finally:
+        writer.close()
     assert time.monotonic() - started < 1.0
-    writer.close()
     assert stats.failed == 1
     assert stats.dial_failures == 4  # every rung of the ladder was tried
 
@@ -244,10 +248,12 @@ async def test_all_endpoints_timing_out_fail_within_the_dial_ladder(
     listener = await tcp_listener(round_robin(blackhole_endpoint), stats=stats)
     reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
     started = time.monotonic()
-    with contextlib.suppress(ConnectionError):
-        assert await asyncio.wait_for(reader.read(), 10) == b""
+    try:
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
     elapsed = time.monotonic() - started
-    writer.close()
     assert 3.5 < elapsed < 5.0  # 0.25 + 0.5 + 1 + 2 s, plus slack
     assert (stats.dial_failures, stats.failed) == (4, 1)
 
@@ -315,6 +321,102 @@ async def test_endpoints_appearing_make_the_port_accept_again(
     listener.refresh()
     await eventually(lambda: listener.accepting, what="listening")
     assert await ask_name(listener.port) == "late"
+
+
+@BOTH_LOOPS
+async def test_port_listens_as_soon_as_refresh_returns(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+) -> None:
+    backend = await tcp_backends("name", "late")
+    picker = round_robin()
+    listener = await tcp_listener(picker)
+    picker.endpoints.append(backend.address)
+    listener.refresh()
+    # No await between refresh() and connect(): the loop has not run a single task since.
+    sock = socket.create_connection(("127.0.0.1", listener.port), timeout=2)
+    assert listener.accepting
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(b"who?\n")
+    assert await asyncio.wait_for(reader.readline(), 5) == b"late\n"
+    writer.close()
+
+
+@BOTH_LOOPS
+async def test_endpoints_flapping_within_one_iteration_end_in_the_last_state(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+    eventually: Eventually,
+) -> None:
+    backend = await tcp_backends("name", "a")
+    picker = round_robin()
+    listener = await tcp_listener(picker)
+    picker.endpoints.append(backend.address)
+    listener.refresh()
+    picker.endpoints.clear()
+    listener.refresh()
+    with pytest.raises(ConnectionRefusedError):
+        connect_blocking(listener.port)
+    picker.endpoints.append(backend.address)
+    listener.refresh()
+    await asyncio.sleep(0)  # the task that hands the socket to the loop may run now
+    picker.endpoints.clear()
+    listener.refresh()
+    picker.endpoints.append(backend.address)
+    listener.refresh()
+    names = [await ask_name(listener.port) for _ in range(3)]
+    assert names == ["a"] * 3
+    picker.endpoints.clear()
+    listener.refresh()
+    await eventually(lambda: not listener.accepting, what="refusing")
+    with pytest.raises(ConnectionRefusedError):
+        connect_blocking(listener.port)
+
+
+class _Records(logging.Handler):
+    """Keeps the records of one logger (the package logger may not propagate to the root)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+async def test_failure_to_listen_is_logged_and_retried_by_the_next_refresh(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+) -> None:
+    backend = await tcp_backends("name", "a")
+    picker = round_robin()
+    listener = await tcp_listener(picker)
+    picker.endpoints.append(backend.address)
+    tcp_log = logging.getLogger(TcpListener.__module__)
+    captured = _Records()
+    tcp_log.addHandler(captured)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))  # socket() fails with EMFILE
+        try:
+            listener.refresh()
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    finally:
+        tcp_log.removeHandler(captured)
+    errors = [r for r in captured.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert "cannot listen" in errors[0].getMessage()
+    assert not listener.accepting
+    with pytest.raises(ConnectionRefusedError):
+        connect_blocking(listener.port)
+    listener.refresh()
+    assert listener.accepting
+    assert await ask_name(listener.port) == "a"
 
 
 async def test_endpoints_disappearing_refuses_at_once(
@@ -405,24 +507,37 @@ async def test_reset_by_the_backend_resets_the_client(
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
     conn.close()  # RST
     server.close()
-    with contextlib.suppress(ConnectionError):
-        assert await asyncio.wait_for(reader.read(), 5) == b""
-    writer.close()
+    try:
+        with pytest.raises(ConnectionResetError):  # a clean close would read b"" instead
+            await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
     await eventually(lambda: listener.active_connections == 0, what="connection gone")
 
 
-async def test_reset_by_the_client_closes_the_backend_connection(
-    tcp_backends: Backends, tcp_listener: Listeners, round_robin: Any, eventually: Eventually
+@BOTH_LOOPS
+async def test_reset_by_the_client_resets_the_backend_connection(
+    tcp_listener: Listeners, round_robin: Any, eventually: Eventually
 ) -> None:
-    backend = await tcp_backends("echo")
-    listener = await tcp_listener(round_robin(backend.address))
-    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
-    writer.write(b"ping")
-    assert await asyncio.wait_for(reader.readexactly(4), 5) == b"ping"
-    sock = writer.get_extra_info("socket")
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-    writer.transport.abort()  # close with linger 0: RST
-    await eventually(lambda: backend.open_connections == 0, what="backend side closed")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.setblocking(False)
+    listener = await tcp_listener(round_robin(server.getsockname()))
+    _reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    loop = asyncio.get_running_loop()
+    conn, _ = await asyncio.wait_for(loop.sock_accept(server), 5)
+    server.close()
+    try:
+        writer.write(b"ping")
+        assert await asyncio.wait_for(loop.sock_recv(conn, 16), 5) == b"ping"
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        writer.transport.abort()  # close with linger 0: RST
+        with pytest.raises(ConnectionResetError):  # a clean close would read b"" instead
+            await asyncio.wait_for(loop.sock_recv(conn, 16), 5)
+    finally:
+        conn.close()
     await eventually(lambda: listener.active_connections == 0, what="proxy side closed")
 
 
@@ -438,9 +553,12 @@ async def test_1000_concurrent_connections_all_complete(
     a = await tcp_backends("name", "a")
     b = await tcp_backends("name", "b")
     stats = ConnStats()
-    listener = await tcp_listener(round_robin(a.address, b.address), stats=stats)
+    picker = round_robin(a.address, b.address)
+    listener = await tcp_listener(picker, stats=stats)
     names = await asyncio.gather(*(ask_name(listener.port) for _ in range(1000)))
-    assert names.count("a") == names.count("b") == 500
+    assert names.count("a") + names.count("b") == 1000
+    # Exactly even, except that a dial timing out on a loaded machine retries (another pick).
+    assert abs(names.count("a") - names.count("b")) <= 2 * picker.retries
     await eventually(lambda: stats.active == 0, what="all connections closed")
     assert (stats.accepted, stats.completed, stats.failed) == (1000, 1000, 0)
 
@@ -489,9 +607,10 @@ async def test_drain_aborts_connections_still_open_after_the_timeout(
     started = time.monotonic()
     await listener.drain(0.3)
     assert 0.25 < time.monotonic() - started < 1.0
-    with contextlib.suppress(ConnectionError):
+    try:  # shutting down is not an error: a clean EOF, not a reset
         assert await asyncio.wait_for(reader.read(), 5) == b""
-    writer.close()
+    finally:
+        writer.close()
     assert stats.active == 0
 
 

@@ -150,6 +150,33 @@ async def test_each_client_address_gets_its_own_session(
 
 
 @BOTH_LOOPS
+async def test_busy_client_moves_off_a_removed_endpoint_after_refresh(
+    udp_backends: Backends,
+    udp_listener: Listeners,
+    clients: Any,
+    round_robin: Any,
+) -> None:
+    a = await udp_backends("a")
+    b = await udp_backends("b")
+    picker = round_robin(a.address)
+    listener = await udp_listener(picker, idle_timeout=0.25)
+    client = await clients()
+    client.send(b"1", listener.port)
+    assert (await client.receive())[0] == b"a|1"
+    picker.endpoints[:] = [b.address]  # endpoint a removed
+    listener.refresh()
+    seen_by_a = a.datagrams
+    # The client sends every 50 ms, well inside the idle timeout: only refresh() can move it.
+    replies = []
+    for i in range(20):
+        client.send(b"%d" % i, listener.port)
+        replies.append((await client.receive())[0])
+        await asyncio.sleep(0.05)
+    assert replies == [b"b|%d" % i for i in range(20)]
+    assert a.datagrams == seen_by_a
+
+
+@BOTH_LOOPS
 async def test_no_endpoints_drops_and_counts(
     udp_listener: Listeners, clients: Any, round_robin: Any, eventually: Eventually
 ) -> None:

@@ -4,7 +4,7 @@ Per connection there are two Protocol objects (client side, backend side) and on
 dial: `loop.create_connection` is a coroutine). Bytes are copied by `data_received` ->
 `write` with high-water marks pausing the other side; a direction whose reads keep coming back
 large switches to zero-copy `os.splice` (see splice.py). EOF is passed on with `write_eof`
-(half-close); an error or reset on one side aborts the other.
+(half-close); an error or reset on one side resets the other (RST, not FIN).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import struct
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,8 @@ log = logs.get(__name__)
 # A direction switches to splice after this many consecutive reads of at least this size.
 SPLICE_MIN_READ = 64 * 1024
 SPLICE_AFTER_READS = 4
+# SO_LINGER on, 0 s: close() sends a RST (struct linger).
+_LINGER_RESET = struct.pack("ii", 1, 0)
 
 
 class BackendSide(asyncio.Protocol):
@@ -188,7 +191,7 @@ class Connection(asyncio.Protocol):
                 if exc is None and self.in_done and self.out_done:
                     b.transport.close()
                 else:
-                    b.transport.abort()
+                    _reset(b.transport)
         self._stop_pumps()
         if not lst.conns and lst.idle is not None and not lst.idle.done():
             lst.idle.set_result(None)
@@ -234,7 +237,7 @@ class Connection(asyncio.Protocol):
                 timer.cancel()
             self.dial = None
             if self.transport.is_closing():
-                b.transport.abort()
+                _reset(b.transport)
             else:
                 self.backend = b
                 self.backend_connected()
@@ -250,7 +253,7 @@ class Connection(asyncio.Protocol):
     def _give_up(self) -> None:
         self.dial = None
         self.pending = None
-        self.transport.abort()
+        _reset(self.transport)
 
     def backend_connected(self) -> None:
         """Flush what the client sent while dialing, then forward directly."""
@@ -287,13 +290,14 @@ class Connection(asyncio.Protocol):
         if b is not None:
             b.transport.close()
 
-    def abort(self) -> None:
-        """An error on either side: reset both."""
+    def abort(self, *, reset: bool = True) -> None:
+        """An error on either side: reset both (`reset=False`: close both, dropping buffers)."""
         self._stop_pumps()
-        self.transport.abort()
+        end = _reset if reset else _drop
+        end(self.transport)
         b = self.backend
         if b is not None and not b.transport.is_closing():
-            b.transport.abort()
+            end(b.transport)
 
     # --- zero-copy
 
@@ -414,6 +418,19 @@ class Connection(asyncio.Protocol):
             self.fds = None
             os.close(fds[0])
             os.close(fds[1])
+
+
+def _reset(transport: Any) -> None:
+    """Abort `transport` so that its peer gets a RST (a plain abort() closes with a FIN)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    transport.abort()
+
+
+def _drop(transport: Any) -> None:
+    transport.abort()
 
 
 def _peer(transport: Any) -> str:

@@ -21,6 +21,11 @@ class Picker(Protocol):
         """True while the picker has usable endpoints."""
         ...
 
+    @property
+    def addresses(self) -> tuple[tuple[str, int], ...]:
+        """The (ip, port) of every usable endpoint (read on endpoint updates, not per packet)."""
+        ...
+
 
 @dataclass(slots=True)
 class ConnStats:

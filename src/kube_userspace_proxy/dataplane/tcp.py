@@ -72,6 +72,9 @@ class TcpListener:
         self.conns: set[Connection] = set()
         self.idle: asyncio.Future[None] | None = None
         self._server: asyncio.AbstractServer | None = None
+        # Listening, not yet served by the loop: set by refresh(), taken by _serve().
+        self._pending: socket.socket | None = None
+        self._handing_over = False  # _serve() is inside create_server()
         self._opening: asyncio.Task[None] | None = None
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -82,10 +85,14 @@ class TcpListener:
         return self._loop
 
     async def start(self) -> None:
-        """Begin serving: listen now if the picker has endpoints, else refuse."""
+        """Begin serving: listen now if the picker has endpoints, else refuse.
+
+        Raises OSError when the port cannot listen.
+        """
         self._loop = asyncio.get_running_loop()
         if self.picker and not self._closed:
-            await self._open()
+            self._pending = self._listening_socket()
+            await self._serve()
 
     def set_picker(self, picker: Picker) -> None:
         """Use another picker for new connections, then `refresh()`."""
@@ -93,36 +100,56 @@ class TcpListener:
         self.refresh()
 
     def refresh(self) -> None:
-        """Listen while the picker has endpoints; refuse (port kept) while it has none."""
+        """Listen while the picker has endpoints; refuse (port kept) while it has none.
+
+        The port listens when this returns: connections made right after it wait in the
+        backlog until the loop serves the socket. A failure to listen is logged; the next
+        refresh() tries again.
+        """
         if self._closed or self._loop is None:
             return
-        if self.picker:
-            if self._server is None and self._opening is None:
-                self._opening = self._loop.create_task(self._reopen(), name=f"listen {self.name}")
-        else:
+        if not self.picker:
             self._stop_listening()
+        elif self._server is None and self._pending is None and not self._handing_over:
+            try:
+                self._pending = self._listening_socket()
+            except OSError as exc:
+                log.error("%s: cannot listen on %s: %s", self.name, self._address, exc)
+                return
+            if self._opening is None:
+                self._opening = self._loop.create_task(
+                    self._serve_later(), name=f"listen {self.name}"
+                )
 
-    async def _open(self) -> None:
-        """Listen on the port; raises OSError when that is impossible (see `refresh`)."""
+    async def _serve(self) -> None:
+        """Hand the listening socket (if still wanted) to the loop; raises OSError on failure."""
+        sock = self._pending
+        if sock is None:  # refused again before this ran
+            return
+        self._pending = None
+        self._handing_over = True
         try:
-            listen_sock = self._listening_socket()
-            server = await self.loop.create_server(
-                self._protocol, sock=listen_sock, backlog=self._backlog
-            )
+            server = await self.loop.create_server(self._protocol, sock=sock, backlog=self._backlog)
+        except Exception:
+            sock.close()
+            raise
         finally:
-            self._opening = None
+            self._handing_over = False
         self._server = server
         log.debug("%s: listening on %s", self.name, self._address)
-        if self._closed or not self.picker:  # changed while we were opening
+        if self._closed or not self.picker:  # changed while create_server() yielded
             self._stop_listening()
 
-    async def _reopen(self) -> None:
+    async def _serve_later(self) -> None:
         try:
-            await self._open()
+            await self._serve()
         except OSError as exc:  # the next refresh() tries again
             log.error("%s: cannot listen on %s: %s", self.name, self._address, exc)
+        finally:
+            self._opening = None
 
     def _listening_socket(self) -> socket.socket:
+        """A socket bound to the port (joining the reservation's reuseport group), listening."""
         assert self._sock is not None
         sock = socket.socket(self._sock.family, socket.SOCK_STREAM)
         try:
@@ -132,7 +159,8 @@ class TcpListener:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, v6only)
             sock.bind(self._address)
             sock.setblocking(False)
-        except OSError:
+            sock.listen(self._backlog)
+        except BaseException:
             sock.close()
             raise
         return sock
@@ -141,15 +169,22 @@ class TcpListener:
         return Connection(self)
 
     def _stop_listening(self) -> None:
+        # Closing a listening socket resets the connections still in its backlog.
+        pending = self._pending
+        if pending is not None:  # not yet handed to the loop: _serve() will skip it
+            self._pending = None
+            pending.close()
         server = self._server
         if server is not None:
             self._server = None
-            server.close()  # closes the listening socket now; pending SYNs get RST
+            server.close()  # closes the listening socket now
+        if pending is not None or server is not None:
             log.debug("%s: refusing on %s", self.name, self._address)
 
     async def close(self) -> None:
         """Stop accepting and release the port; connections in flight go on to finish."""
         self._closed = True
+        self._stop_listening()
         opening = self._opening
         if opening is not None:
             with contextlib.suppress(OSError, asyncio.CancelledError):
@@ -160,7 +195,7 @@ class TcpListener:
             self._sock = None
 
     async def drain(self, timeout: float) -> None:  # noqa: ASYNC109 - the contract's shape
-        """Wait up to `timeout` seconds for connections in flight, then abort the rest."""
+        """Wait up to `timeout` seconds for connections in flight, then close the rest (FIN)."""
         if self.conns:
             self.idle = self.loop.create_future()
             try:
@@ -168,10 +203,14 @@ class TcpListener:
                     await self.idle
             except TimeoutError:
                 log.info(
-                    "%s: aborting %d connections after %.1fs", self.name, len(self.conns), timeout
+                    "%s: closing %d connections still open after %.1fs",
+                    self.name,
+                    len(self.conns),
+                    timeout,
                 )
                 for conn in list(self.conns):
-                    conn.abort()
+                    # A FIN, as a process exit would send: shutting down is not an error.
+                    conn.abort(reset=False)
             finally:
                 self.idle = None
 
@@ -191,7 +230,7 @@ class TcpListener:
     @property
     def accepting(self) -> bool:
         """True while a socket listens on the port (the picker has endpoints)."""
-        return self._server is not None
+        return self._server is not None or self._pending is not None or self._handing_over
 
     @property
     def buffered_bytes(self) -> int:

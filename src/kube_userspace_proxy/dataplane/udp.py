@@ -173,14 +173,22 @@ class UdpListener:
         )
 
     def set_picker(self, picker: Picker) -> None:
-        """Use another picker for new sessions."""
+        """Use another picker for new sessions, then `refresh()`."""
         self.picker = picker
+        self.refresh()
 
     def refresh(self) -> None:
-        """Nothing to switch for UDP: datagrams are dropped (and counted) without endpoints.
+        """After an endpoint update: end the sessions whose endpoint is no longer usable.
 
-        Existing sessions keep their endpoint until they expire, like kube-proxy's.
+        A client that sends more often than the idle timeout would otherwise keep its
+        session, and the removed endpoint, forever; its next datagram picks a live endpoint.
+        Without endpoints datagrams are dropped (and counted).
         """
+        if not self.sessions:
+            return
+        usable = set(self.picker.addresses)
+        for session in [s for s in self.sessions.values() if s.backend not in usable]:
+            session.close()
 
     def received(self, data: bytes, client: Any) -> None:
         """A datagram from `client` on the service port."""
