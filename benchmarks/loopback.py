@@ -108,6 +108,7 @@ def backend_main(conn: Connection, loop_kind: str) -> None:
 class _Fixed:
     def __init__(self, address: tuple[str, int]) -> None:
         self.address = address
+        self.addresses = (address,)
 
     def pick(self, client_ip: str, *, retry: bool = False) -> tuple[str, int] | None:
         return self.address

@@ -216,6 +216,7 @@ class OneBackend:
 
     def __init__(self, address: tuple[str, int]) -> None:
         self.address = address
+        self.addresses = (address,)
 
     def pick(self, client_ip: str, *, retry: bool = False) -> tuple[str, int] | None:
         return self.address
