@@ -95,7 +95,10 @@ class PortAllocator:
         """
         taken = self._taken[protocol]
         if prefer and prefer not in taken and self._in_range(prefer):
-            sock = self._bind(protocol, prefer)
+            # The earlier run's accepted connections may still sit in TIME_WAIT on this port;
+            # they inherited SO_REUSEPORT (not SO_REUSEADDR) from its listener, and only
+            # SO_REUSEPORT gets past them. It is a port this proxy's own rules name.
+            sock = self._bind(protocol, prefer, reuseport=protocol is Protocol.TCP)
             if isinstance(sock, socket.socket):
                 taken.add(prefer)
                 return sock
@@ -143,7 +146,9 @@ class PortAllocator:
         """The ports of `protocol` currently handed out."""
         return frozenset(self._taken[protocol])
 
-    def _bind(self, protocol: Protocol, port: int) -> socket.socket | int:
+    def _bind(
+        self, protocol: Protocol, port: int, *, reuseport: bool = False
+    ) -> socket.socket | int:
         """A bound socket, or the errno saying the port is taken (other errors raise)."""
         kind = socket.SOCK_STREAM if protocol is Protocol.TCP else socket.SOCK_DGRAM
         sock = socket.socket(self._family, kind)
@@ -155,6 +160,8 @@ class PortAllocator:
             if protocol is Protocol.TCP:
                 # A restart must be able to rebind a port whose old connections sit in TIME_WAIT.
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuseport:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((self.host, port))
             sock.setblocking(False)
         except OSError as exc:

@@ -207,9 +207,11 @@ class Proxier:
             except (PortExhaustedError, OSError):
                 continue
             if sock.getsockname()[1] != port:  # taken, or outside the range now
+                log.debug("cannot hold proxy port %s/%d for %s %s", protocol, port, key[0], key[2])
                 self._allocator.release(protocol, sock.getsockname()[1])
                 sock.close()
                 continue
+            log.debug("holding proxy port %s/%d for %s %s", protocol, port, key[0], key[2])
             self._claims[key] = sock
         if self._claims:
             log.info("holding %d proxy port(s) that installed rules point at", len(self._claims))
@@ -225,8 +227,13 @@ class Proxier:
         """Reserve a proxy port for `path` and make its listener; the caller starts it."""
         info = served.info
         pool = EndpointPool(info.name)
-        key = (str(info.name), str(info.protocol), str(path))
-        claimed = self._claims.pop(key, None) if self._claims else None
+        claimed = None
+        if self._claims:
+            key = (str(info.name), str(info.protocol))
+            claimed = self._claims.pop((*key, str(path)), None)
+            if claimed is None and path is Path.CLUSTER and not info.paths_differ:
+                # One port for both paths: the rules may name it only as the external one.
+                claimed = self._claims.pop((*key, str(Path.EXTERNAL)), None)
         sock = claimed or self._allocator.reserve(info.protocol, name=str(info.name))
         listener = self._make_listener(sock, pool, served.stats, str(info.name))
         served.pools[path] = pool

@@ -131,17 +131,30 @@ def test_flushed_chain_is_restored_by_the_next_resync(running: Proxy) -> None:
     assert running.topo.client.ask("tcp", "10.96.0.10", 80)[0] in PODS
 
 
-def _shape(rules: list[str]) -> Counter[str]:
-    """The rules with proxy port numbers blanked (a restart may pick other ports)."""
-    return Counter(re.sub(r"\b4\d{4}\b", "P", line) for line in rules)
-
-
 def test_restart_after_sigkill_replaces_rules_without_duplicates(running: Proxy) -> None:
-    before = {table: _shape(running.rules(table)) for table in ("nat", "filter")}
+    before = {table: Counter(running.rules(table)) for table in ("nat", "filter")}
+    portals = [line for line in before["nat"] if line.startswith("-A KUBE-PORTALS-CONTAINER")]
+    named = {
+        comment: int(port)
+        for line in portals
+        for comment, port in re.findall(r'--comment "?([^" ]+)"? .*--to-ports (\d+)', line)
+    }
     running.kill(signal.SIGKILL)
     running.start()
+
+    def announced_by_new_run() -> dict[str, int]:
+        seen: dict[str, list[int]] = {}
+        for name, port in re.findall(r"\] (\S+) -> [\d.]+:(\d+) \(", running.log.read_text()):
+            seen.setdefault(name, []).append(int(port))
+        return {name: ports[-1] for name, ports in seen.items() if len(ports) >= 2}
+
+    # The new run serves each service port on the proxy port the old rules still name, so
+    # clients keep working while it starts (and no other port receives that traffic).
+    wait_for(lambda: len(announced_by_new_run()) == len(named), "the new run's first sync")
+    assert announced_by_new_run() == named
+    # Then its rules are identical to the first run's, proxy ports included.
     wait_for(
-        lambda: {table: _shape(running.rules(table)) for table in ("nat", "filter")} == before,
+        lambda: {table: Counter(running.rules(table)) for table in ("nat", "filter")} == before,
         "the restarted proxy's rules to equal the first run's",
     )
     for jump in ("KUBE-PORTALS-CONTAINER", "KUBE-NODEPORT-CONTAINER"):

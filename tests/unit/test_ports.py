@@ -271,3 +271,24 @@ def test_unspecified_ipv6_host_gives_sockets_that_take_ipv4_too(
     with pytest.raises(OSError) as held:  # the port is held for IPv4 as well
         ipv4.bind((HOST, sock.getsockname()[1]))
     assert held.value.errno == errno.EADDRINUSE
+
+
+def test_preferred_port_is_taken_back_past_the_earlier_runs_time_wait_connections() -> None:
+    # An earlier run's listener (SO_REUSEPORT, as the data plane sets it) closed a connection
+    # first, leaving it in TIME_WAIT on the port; then the process went away.
+    old = socket.socket()
+    old.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    old.bind(("127.0.0.1", 0))
+    old.listen()
+    port = old.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = old.accept()
+    accepted.close()  # the proxy side closes first: its end goes to TIME_WAIT
+    client.close()
+    old.close()
+    allocator = PortAllocator(None, host="127.0.0.1")
+    sock = allocator.reserve(Protocol.TCP, prefer=port)
+    try:
+        assert sock.getsockname()[1] == port
+    finally:
+        sock.close()
