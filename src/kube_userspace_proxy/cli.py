@@ -77,6 +77,7 @@ _RUN_FLAGS = (
     _Flag("--event-loop", "event_loop", "choice", "", ("uvloop", "asyncio")),
     _Flag("--log-format", "log_format", "choice", "", ("text", "json")),
     _Flag("--shutdown-grace", "shutdown_grace", "duration"),
+    _Flag("--workers", "workers", "str", "count or auto"),
 )
 
 

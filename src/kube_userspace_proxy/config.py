@@ -6,6 +6,7 @@ Durations are written Go-style (`250ms`, `1m30s`) in files and flags alike, as k
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -84,6 +85,8 @@ def split_host_port(text: str) -> tuple[str, int]:
 
 
 Backend = Literal["auto", "iptc", "restore", "none"]
+MAX_WORKERS = 64
+AUTO_WORKERS_MAX = 4
 
 
 class ProxyConfig(BaseModel):
@@ -137,6 +140,9 @@ class ProxyConfig(BaseModel):
     """Seconds open connections may take to finish after SIGTERM/SIGINT."""
     manifests: tuple[str, ...] = ()
     """Manifest files or directories to serve instead of a cluster."""
+    workers: str = "auto"
+    """Data-plane worker processes: a count, or auto (the CPUs this process may use, at most 4);
+    1 serves from the control process itself."""
 
     @field_validator("bind_address")
     @classmethod
@@ -189,6 +195,21 @@ class ProxyConfig(BaseModel):
     @classmethod
     def _duration(cls, value: Any) -> float:
         return parse_duration(value)
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _check_workers(cls, value: Any) -> str:
+        text = str(value).strip().lower()
+        if text != "auto" and not (text.isdigit() and 1 <= int(text) <= MAX_WORKERS):
+            raise ValueError(f"must be 'auto' or a whole number from 1 to {MAX_WORKERS}")
+        return text
+
+    @property
+    def worker_count(self) -> int:
+        """`workers` resolved: `auto` is the CPUs this process may run on, at most 4."""
+        if self.workers == "auto":
+            return max(1, min(AUTO_WORKERS_MAX, len(os.sched_getaffinity(0))))
+        return int(self.workers)
 
     @field_validator("sync_period")
     @classmethod
