@@ -16,7 +16,7 @@ async def _until(predicate, seconds: float = 3.0) -> None:  # type: ignore[no-un
         await asyncio.sleep(0.01)
 
 
-async def test_a_burst_of_requests_is_coalesced_into_few_syncs() -> None:
+async def test_a_storm_of_requests_is_bounded_by_min_interval() -> None:
     runs: list[float] = []
 
     async def fn() -> None:
@@ -26,12 +26,62 @@ async def test_a_burst_of_requests_is_coalesced_into_few_syncs() -> None:
     task = asyncio.create_task(runner.loop())
     try:
         await _until(lambda: len(runs) == 1)  # the first sync runs at once
+        started = time.monotonic()
+        for _ in range(300):  # a storm of ~0.6 s
+            runner.request()
+            await asyncio.sleep(0.002)
+        await _until(lambda: len(runs) >= 3)
+        await asyncio.sleep(0.5)
+        elapsed = runs[-1] - started
+        # One sync per min_interval on average, plus the burst of two saved up since start.
+        assert len(runs) - 1 <= 2 + elapsed / 0.2 + 1
+        gaps = [b - a for a, b in itertools.pairwise(runs[2:])]
+        assert all(gap >= 0.19 for gap in gaps), gaps  # once the burst is spent
+    finally:
+        task.cancel()
+
+
+async def test_two_requests_after_a_quiet_spell_both_run_at_once() -> None:
+    runs: list[float] = []
+
+    async def fn() -> None:
+        runs.append(time.monotonic())
+        await asyncio.sleep(0.01)  # a sync takes a little while
+
+    runner = BoundedFrequencyRunner(fn, min_interval=1.0, max_interval=60)
+    task = asyncio.create_task(runner.loop())
+    try:
+        await _until(lambda: len(runs) == 1)
+        await asyncio.sleep(1.1)  # the first sync's token is earned back
+        asked = time.monotonic()
+        runner.request()  # a Service ...
+        await _until(lambda: len(runs) == 2)
+        runner.request()  # ... and its EndpointSlice, while the first sync may still run
+        await _until(lambda: len(runs) == 3)
+        # Both within milliseconds, not a whole min_interval (1 s) apart.
+        assert runs[2] - asked < 0.5
+        runner.request()  # the burst is spent: this one waits for min_interval
+        await _until(lambda: len(runs) == 4, seconds=3)
+        assert runs[3] - runs[2] >= 0.9
+    finally:
+        task.cancel()
+
+
+async def test_with_a_burst_of_one_every_sync_waits_min_interval() -> None:
+    runs: list[float] = []
+
+    async def fn() -> None:
+        runs.append(time.monotonic())
+
+    runner = BoundedFrequencyRunner(fn, min_interval=0.2, max_interval=60, burst=1)
+    task = asyncio.create_task(runner.loop())
+    try:
+        await _until(lambda: len(runs) == 1)
         for _ in range(100):
             runner.request()
             await asyncio.sleep(0.002)
         await _until(lambda: len(runs) >= 2)
         await asyncio.sleep(0.5)
-        # 100 requests over ~0.2 s with min_interval 0.2 s: at most a couple of syncs.
         assert 2 <= len(runs) <= 3
         gaps = [b - a for a, b in itertools.pairwise(runs)]
         assert all(gap >= 0.19 for gap in gaps)
