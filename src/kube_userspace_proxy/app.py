@@ -13,7 +13,7 @@ import resource
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import uvloop
@@ -27,11 +27,18 @@ from kube_userspace_proxy.model import ProxiedPort
 from kube_userspace_proxy.ops import OpsServer, start_ops
 from kube_userspace_proxy.portals import Portals, explain, make_backend
 from kube_userspace_proxy.ports import PortAllocator, parse_port_range
-from kube_userspace_proxy.proxier import ClaimKey, Proxier, RuleSink, local_addresses_in
+from kube_userspace_proxy.proxier import (
+    ClaimKey,
+    DataPlane,
+    LocalDataPlane,
+    Proxier,
+    local_addresses_in,
+)
 from kube_userspace_proxy.sources.kube import KubeSource, load_client_configuration
 from kube_userspace_proxy.sources.manifests import ManifestSource
 from kube_userspace_proxy.state import ClusterState
 from kube_userspace_proxy.sync import BoundedFrequencyRunner
+from kube_userspace_proxy.workerpool import WorkerPool
 
 log = logs.get(__name__)
 T = TypeVar("T")
@@ -48,122 +55,131 @@ def raise_nofile_limit() -> int:
 
 
 class _CountingRules:
-    """Passes rule sets to the portals, keeping the node IPs current and counting failures."""
+    """Passes rule sets to the portals, counting failures."""
 
-    def __init__(
-        self, portals: Portals, metrics: ProxyMetrics, node_ips: Callable[[], Sequence[str]]
-    ):
+    def __init__(self, portals: Portals, metrics: ProxyMetrics):
         self._portals = portals
         self._metrics = metrics
-        self._node_ips = node_ips
 
     def claimed_ports(self) -> dict[ClaimKey, int]:
         return self._portals.claimed_ports()
 
-    def apply(self, ports: Sequence[ProxiedPort]) -> None:
+    def apply(self, ports: Sequence[ProxiedPort], node_ips: Sequence[str]) -> None:
         try:
-            self._portals.set_node_ips(self._node_ips())
+            self._portals.set_node_ips(node_ips)
             self._portals.apply(ports)
         except Exception:
             self._metrics.restore_failure()
             raise
 
 
-@dataclass
 class Proxy:
-    """A running proxy: its parts, for the CLI, the demo and tests to inspect."""
+    """The control process: state -> sync runner -> proxier (-> workers, rules), health, metrics.
 
-    config: ProxyConfig
-    state: ClusterState
-    proxier: Proxier
-    health: ProxyHealth
-    metrics: ProxyMetrics
-    runner: BoundedFrequencyRunner
-    ops: OpsServer | None = None
-    node_ips: tuple[str, ...] = ()
-    synced_once: asyncio.Event | None = None
+    Built from a config with nothing opened or started; `serve()` runs it. Its parts are
+    attributes, for the CLI, the demo and tests to inspect.
+    """
 
-
-def build(config: ProxyConfig) -> Proxy:
-    """Create the parts of a proxy for `config` (nothing is opened or started yet)."""
-    node_name = netutil.node_name(config.hostname_override or None)
-    health = ProxyHealth(config.sync_period)
-    allocator = PortAllocator(parse_port_range(config.proxy_port_range), host=config.bind_address)
-    learned_ips: list[tuple[str, ...]] = [()]  # the Node object's addresses, once known
-
-    def node_ips() -> tuple[str, ...]:
-        return config.node_ips or learned_ips[0]
-
-    def node_port_addresses() -> Sequence[str]:
-        if not config.nodeport_addresses:
-            return (config.bind_address,)
-        return local_addresses_in(config.nodeport_addresses, netutil.local_addresses())
-
-    proxier = Proxier(
-        allocator,
-        udp_idle_timeout=config.udp_idle_timeout,
-        node_port_addresses=node_port_addresses,
-    )
-    metrics = ProxyMetrics(proxier.port_stats, proxier.open_ports)
-    backend_kind = config.iptables_backend
-    if backend_kind == "auto" and os.geteuid() != 0:
-        log.warning(
-            "not running as root: serving proxy ports only, no iptables rules "
-            "(ClusterIPs and NodePorts are not captured; use --iptables-backend none to silence)"
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.health = ProxyHealth(config.sync_period)
+        self.node_ips: tuple[str, ...] = config.node_ips
+        self.ops: OpsServer | None = None
+        self.synced_once = asyncio.Event()
+        workers = config.worker_count
+        self.workers: WorkerPool | None = None
+        dataplane: DataPlane
+        if workers > 1:
+            dataplane = self.workers = WorkerPool(
+                workers,
+                udp_idle_timeout=config.udp_idle_timeout,
+                verbosity=config.verbosity,
+                log_format=config.log_format,
+                event_loop=config.event_loop,
+            )
+        else:
+            dataplane = LocalDataPlane(udp_idle_timeout=config.udp_idle_timeout)
+        allocator = PortAllocator(
+            parse_port_range(config.proxy_port_range),
+            host=config.bind_address,
+            share_udp=dataplane.shares_ports,
         )
-        backend_kind = "none"
-    backend = make_backend(backend_kind)
-    if backend is not None:
-        portals = Portals(
-            backend,
-            node_ips=node_ips(),
-            bind_address=config.bind_address,
-            nodeport_addresses=config.nodeport_addresses,
+        self.proxier = Proxier(
+            allocator, node_port_addresses=self._node_port_addresses, dataplane=dataplane
         )
-        rules: RuleSink = _CountingRules(portals, metrics, node_ips)
-        proxier.set_rule_sink(rules)
+        self.metrics = ProxyMetrics(self.proxier.port_stats, self.proxier.open_ports)
+        backend_kind = config.iptables_backend
+        if backend_kind == "auto" and os.geteuid() != 0:
+            log.warning(
+                "not running as root: serving proxy ports only, no iptables rules "
+                "(ClusterIPs and NodePorts are not captured; use --iptables-backend none to"
+                " silence)"
+            )
+            backend_kind = "none"
+        backend = make_backend(backend_kind)
+        if backend is not None:
+            portals = Portals(
+                backend,
+                node_ips=config.node_ips,
+                bind_address=config.bind_address,
+                nodeport_addresses=config.nodeport_addresses,
+            )
+            self.proxier.set_rule_sink(_CountingRules(portals, self.metrics))
+        self.state = ClusterState(
+            node_name=netutil.node_name(config.hostname_override or None),
+            service_proxy_name=config.service_proxy_name or None,
+            on_change=self._changed,
+        )
+        self.runner = BoundedFrequencyRunner(
+            self.sync_once,
+            min_interval=config.min_sync_period,
+            max_interval=config.sync_period,
+            name="sync",
+        )
 
-    def on_change() -> None:
-        health.queued_update()
-        metrics.sync_queued()
-        runner.request()
+    def _node_port_addresses(self) -> Sequence[str]:
+        if not self.config.nodeport_addresses:
+            return (self.config.bind_address,)
+        return local_addresses_in(self.config.nodeport_addresses, netutil.local_addresses())
 
-    state = ClusterState(
-        node_name=node_name,
-        service_proxy_name=config.service_proxy_name or None,
-        on_change=on_change,
-    )
+    def _changed(self) -> None:
+        self.health.queued_update()
+        self.metrics.sync_queued()
+        self.runner.request()
 
-    async def sync_once() -> bool:
+    async def sync_once(self) -> bool:
+        """One sync of listeners, workers and rules to the current state; False if not listed."""
+        state = self.state
         if not state.listed:
             log.debug("sync skipped: waiting for the first complete list of Services and slices")
             return False
         started = time.monotonic()
-        services, endpoints = state.pending_service_changes, state.pending_endpoint_changes
         snapshot = state.snapshot()
-        if snapshot.node_ips:
-            learned_ips[0] = proxy.node_ips = snapshot.node_ips
-        health.set_node_eligible(state.node_eligible)
-        await proxier.sync(snapshot)
-        metrics.add_changes(services, endpoints)
+        if self.config.node_ips:  # the flag wins over the Node object's addresses
+            snapshot = replace(snapshot, node_ips=self.config.node_ips)
+        self.node_ips = snapshot.node_ips
+        self.health.set_node_eligible(state.node_eligible)
+        await self.proxier.sync(snapshot)
+        metrics = self.metrics
+        metrics.add_changes(snapshot.service_changes, snapshot.endpoint_changes)
         metrics.set_pending(state.pending_service_changes, state.pending_endpoint_changes)
         metrics.sync_done(time.monotonic() - started)
-        health.synced()
+        self.health.synced()
         now = time.time()
         for trigger in snapshot.trigger_times:
             metrics.network_programming(max(0.0, now - trigger))
-        if proxy.synced_once is not None:
-            proxy.synced_once.set()
+        self.synced_once.set()
         return True
 
-    runner = BoundedFrequencyRunner(
-        sync_once,
-        min_interval=config.min_sync_period,
-        max_interval=config.sync_period,
-        name="sync",
-    )
-    proxy = Proxy(config, state, proxier, health, metrics, runner)
-    return proxy
+    async def collect(self, *, debug: bool = False) -> None:
+        """Bring the per-service-port counters up to date (summed from the workers)."""
+        if self.workers is not None:
+            await self.workers.collect(debug=debug)
+
+
+def build(config: ProxyConfig) -> Proxy:
+    """Create the parts of a proxy for `config` (nothing is opened or started yet)."""
+    return Proxy(config)
 
 
 def make_source(config: ProxyConfig, state: ClusterState) -> ManifestSource | KubeSource:
@@ -207,9 +223,12 @@ async def serve(
 ) -> int:
     """Run the proxy until SIGTERM/SIGINT (or `stop`), then shut down gracefully; exit code."""
     limit = raise_nofile_limit()
-    log.info("kube-userspace-proxy starting (userspace mode, RLIMIT_NOFILE=%d)", limit)
+    log.info(
+        "kube-userspace-proxy starting (userspace mode, %d worker process(es), RLIMIT_NOFILE=%d)",
+        config.worker_count if config.worker_count > 1 else 0,
+        limit,
+    )
     proxy = build(config)
-    proxy.synced_once = asyncio.Event()
     source = make_source(config, proxy.state)
     if isinstance(source, KubeSource):
         # A bad kubeconfig is a configuration error (exit 2), found before anything runs.
@@ -227,9 +246,14 @@ async def serve(
             metrics=proxy.metrics,
             debug_state=proxy.proxier.debug_state,
             configz=lambda: {"kubeproxy.config.k8s.io": config.model_dump(mode="json")},
+            collect=proxy.collect,
         )
+        if proxy.workers is not None:
+            await proxy.workers.start()
     except ProxyError as exc:
         log.error("%s", exc)
+        if proxy.ops is not None:
+            await proxy.ops.close()
         return 1
     tasks = [
         asyncio.create_task(source.run(), name="source"),
@@ -244,6 +268,8 @@ async def serve(
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     log.info("stopping: no new connections; open ones get %.1fs", config.shutdown_grace)
+    if proxy.workers is not None:
+        await proxy.workers.shutdown(config.shutdown_grace)
     await proxy.proxier.shutdown(config.shutdown_grace)
     if proxy.ops is not None:
         await proxy.ops.close()
@@ -260,7 +286,7 @@ async def rules_text(config: ProxyConfig) -> str:
     Proxy ports are picked when the proxy starts, so the ones shown are examples (numbered
     from the start of `--proxy-port-range`, or from 40000); /debug/state shows the live ones.
     """
-    proxy = build(config.model_copy(update={"iptables_backend": "none"}))
+    proxy = build(config.model_copy(update={"iptables_backend": "none", "workers": "1"}))
     source = make_source(config, proxy.state)
     await source.load_once()
     snapshot = proxy.state.snapshot()

@@ -108,7 +108,8 @@ class Snapshot:
     `endpoints` holds every known endpoint (all conditions, all nodes); choosing the usable
     ones for a path is the balancer's job. `trigger_times` are the
     `endpoints.kubernetes.io/last-change-trigger-time` values (epoch seconds) of the
-    EndpointSlice changes folded into this snapshot since the previous one.
+    EndpointSlice changes folded into this snapshot since the previous one. `node_ips` are
+    the addresses the node's own traffic is DNATed to (the flag's, else the Node object's).
     """
 
     services: Mapping[ServicePortName, ServicePortInfo] = field(
@@ -120,6 +121,10 @@ class Snapshot:
     node_name: str | None = None
     node_ips: tuple[str, ...] = ()
     trigger_times: tuple[float, ...] = ()
+    service_changes: int = 0
+    """Service changes folded into this snapshot since the previous one."""
+    endpoint_changes: int = 0
+    """EndpointSlice changes folded into this snapshot since the previous one."""
 
     def endpoints_of(self, name: ServicePortName) -> tuple[Endpoint, ...]:
         return self.endpoints.get(name, ())

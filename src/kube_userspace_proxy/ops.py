@@ -13,8 +13,8 @@ import functools
 import ipaddress
 import json
 import socket
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -35,6 +35,16 @@ _NOSNIFF = {"X-Content-Type-Options": "nosniff"}
 _pretty = functools.partial(json.dumps, indent=2, sort_keys=True, default=str)
 
 StateSource = Callable[[], dict[str, Any]]
+
+
+class Collector(Protocol):
+    """Brings counters up to date before a view is rendered (the workers' sums)."""
+
+    def __call__(self, *, debug: bool = False) -> Awaitable[None]: ...
+
+
+async def _nothing_to_collect(*, debug: bool = False) -> None:
+    """Counters of the in-process data plane are always current."""
 
 
 def parse_bind_address(text: str, *, default_port: int, flag: str) -> tuple[str, int] | None:
@@ -142,9 +152,10 @@ def _health_app(health: ProxyHealth, metrics: ProxyMetrics) -> web.Application:
 
 
 def _metrics_app(
-    metrics: ProxyMetrics, debug_state: StateSource, configz: StateSource
+    metrics: ProxyMetrics, debug_state: StateSource, configz: StateSource, collect: Collector
 ) -> web.Application:
     async def scrape(_: web.Request) -> web.Response:
+        await collect()
         # Counters are copied on the loop in one go (no races with the proxier's tables); the
         # process metrics read /proc in a worker thread; the per-port text is formatted on the
         # loop a family at a time, yielding in between, so the data plane never waits long.
@@ -166,6 +177,7 @@ def _metrics_app(
         return web.json_response(configz(), dumps=_pretty, headers=_NOSNIFF)
 
     async def state(_: web.Request) -> web.Response:
+        await collect(debug=True)
         return web.json_response(debug_state(), dumps=_pretty, headers=_NOSNIFF)
 
     app = web.Application()
@@ -185,6 +197,7 @@ async def start_ops(
     metrics: ProxyMetrics,
     debug_state: StateSource,
     configz: StateSource,
+    collect: Collector = _nothing_to_collect,
 ) -> OpsServer:
     """Bind and start both sites; raises PortInUseError or ConfigError before serving anything."""
     healthz_at = parse_bind_address(
@@ -207,7 +220,7 @@ async def start_ops(
             server.healthz_address = await server.serve(app, next(pending))
             log.info("Serving /healthz and /livez on %s", _show(server.healthz_address))
         if metrics_at is not None:
-            app = _metrics_app(metrics, debug_state, configz)
+            app = _metrics_app(metrics, debug_state, configz, collect)
             server.metrics_address = await server.serve(app, next(pending))
             log.info("Serving /metrics and /proxyMode on %s", _show(server.metrics_address))
     except BaseException:

@@ -73,13 +73,18 @@ class PortAllocator:
     and ports whose bind fails because another socket holds them.
     """
 
-    def __init__(self, port_range: tuple[int, int] | None, *, host: str = "0.0.0.0") -> None:
+    def __init__(
+        self, port_range: tuple[int, int] | None, *, host: str = "0.0.0.0", share_udp: bool = False
+    ) -> None:
         if port_range is not None:
             low, high = port_range
             if not 0 < low <= high <= _MAX_PORT:
                 raise ValueError(f"invalid port range {low}-{high}")
         self.port_range = port_range
         self.host = host
+        # Worker processes join UDP ports with SO_REUSEPORT, which the first socket must
+        # carry from its bind on (TCP listeners join a reservation that sets it later).
+        self.share_udp = share_udp
         self._family = _family(host)
         self._taken: dict[Protocol, set[int]] = {Protocol.TCP: set(), Protocol.UDP: set()}
 
@@ -160,7 +165,7 @@ class PortAllocator:
             if protocol is Protocol.TCP:
                 # A restart must be able to rebind a port whose old connections sit in TIME_WAIT.
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuseport:
+            if reuseport or (self.share_udp and protocol is Protocol.UDP):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((self.host, port))
             sock.setblocking(False)

@@ -17,7 +17,7 @@ from typing import Protocol as TypingProtocol
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.balancer import EndpointPool, usable_endpoints
-from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener
+from kube_userspace_proxy.dataplane import ConnStats, Picker, TcpListener, UdpListener
 from kube_userspace_proxy.errors import PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
     Path,
@@ -31,7 +31,83 @@ from kube_userspace_proxy.ports import PortAllocator
 
 log = logs.get(__name__)
 
-Listener = TcpListener | UdpListener
+
+class Listener(TypingProtocol):
+    """One served socket of a service port (TCP or UDP; in this process or in the workers)."""
+
+    picker: Picker
+
+    async def start(self) -> None:
+        """Begin serving (TCP: listen while the picker has endpoints)."""
+        ...
+
+    def refresh(self) -> None:
+        """The picker's endpoints changed: listen or refuse, end sessions to removed ones."""
+        ...
+
+    def set_picker(self, picker: Picker) -> None:
+        """Serve new connections from `picker`, then `refresh()`."""
+        ...
+
+    async def close(self) -> None:
+        """Stop accepting and release the port; open connections go on."""
+        ...
+
+    async def drain(self, timeout: float) -> None:  # noqa: ASYNC109 - the contract's shape
+        """Give open connections `timeout` seconds, then close them."""
+        ...
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def active_connections(self) -> int: ...
+
+
+class DataPlane(TypingProtocol):
+    """Where the listeners run: in this process (`LocalDataPlane`) or in worker processes."""
+
+    shares_ports: bool
+    """True when other processes join the proxy ports with SO_REUSEPORT (UDP binds with it)."""
+
+    def listener(
+        self, sock: socket.socket, pool: EndpointPool, stats: ConnStats, name: str
+    ) -> Listener:
+        """A listener for the bound socket `sock` (the data plane owns it from now on)."""
+        ...
+
+    async def publish(self) -> None:
+        """Make every listener serve its pool's current endpoints (before rules point at it)."""
+        ...
+
+    def affinity_entries(self, pool: EndpointPool) -> list[tuple[str, tuple[str, int], float]]:
+        """The live ClientIP pins of `pool`: (client, endpoint, seconds left)."""
+        ...
+
+
+class LocalDataPlane:
+    """Listeners on this process's event loop (`--workers 1`)."""
+
+    shares_ports = False
+
+    def __init__(self, *, udp_idle_timeout: float = 0.25) -> None:
+        self.udp_idle_timeout = udp_idle_timeout
+
+    def listener(
+        self, sock: socket.socket, pool: EndpointPool, stats: ConnStats, name: str
+    ) -> Listener:
+        if sock.type == socket.SOCK_STREAM:
+            return TcpListener(sock, pool, stats, name=name)
+        return UdpListener(sock, pool, stats, name=name, idle_timeout=self.udp_idle_timeout)
+
+    async def publish(self) -> None:
+        """Nothing to send: the listeners read their pools directly."""
+
+    def affinity_entries(self, pool: EndpointPool) -> list[tuple[str, tuple[str, int], float]]:
+        return pool.affinity_entries()
+
+
+_local: DataPlane = LocalDataPlane()  # conformance: LocalDataPlane is a DataPlane
 
 
 ClaimKey = tuple[str, str, str]
@@ -41,7 +117,9 @@ ClaimKey = tuple[str, str, str]
 class RuleSink(TypingProtocol):
     """What the proxier needs of the portals: take the full desired set, apply the difference."""
 
-    def apply(self, ports: Sequence[ProxiedPort]) -> None: ...
+    def apply(self, ports: Sequence[ProxiedPort], node_ips: Sequence[str]) -> None:
+        """Install the rules for `ports`; the node's own traffic is DNATed to `node_ips`."""
+        ...
 
     def claimed_ports(self) -> dict[ClaimKey, int]:
         """The proxy ports the rules installed now (perhaps by an earlier run) point at."""
@@ -80,13 +158,15 @@ class Proxier:
         portals: RuleSink | None = None,
         udp_idle_timeout: float = 0.25,
         node_port_addresses: Callable[[], Sequence[str]] | None = None,
+        dataplane: DataPlane | None = None,
     ) -> None:
         self._allocator = allocator
         self._portals = portals
-        self._udp_idle_timeout = udp_idle_timeout
+        self._dataplane = dataplane or LocalDataPlane(udp_idle_timeout=udp_idle_timeout)
         self._node_port_addresses = node_port_addresses or (lambda: (allocator.host,))
         self._served: dict[ServicePortName, _Served] = {}
         self._errors: dict[ServicePortName, str] = {}
+        self._opened: list[_Served] = []  # announced once they serve
         self._closing: set[asyncio.Task[None]] = set()
         # Closed listeners whose connections may still be open; drained at shutdown.
         self._retired: list[Listener] = []
@@ -122,10 +202,23 @@ class Proxier:
                 if self._errors.get(name) != repr(exc):
                     log.exception("%s: unexpected error while syncing", name)
                 self._errors[name] = repr(exc)
+        # Listeners serve their endpoints before any rule points at them.
+        await self._dataplane.publish()
+        opened, self._opened = self._opened, []
+        for served in opened:
+            log.info(
+                "%s -> %s:%d (%d endpoints)",
+                served.info.name,
+                self._allocator.host,
+                served.port_of(Path.CLUSTER),
+                len(served.pools[Path.CLUSTER]),
+            )
         releasable, self._quarantine = self._quarantine, []
         if self._portals is not None:
             try:
-                await asyncio.to_thread(self._portals.apply, self.proxied_ports())
+                await asyncio.to_thread(
+                    self._portals.apply, self.proxied_ports(), snapshot.node_ips
+                )
             except BaseException:
                 self._quarantine = releasable + self._quarantine
                 raise
@@ -177,13 +270,7 @@ class Proxier:
         if self._errors.pop(name, None) is not None:
             log.info("%s: recovered", name)
         if new:
-            log.info(
-                "%s -> %s:%d (%d endpoints)",
-                name,
-                self._allocator.host,
-                served.port_of(Path.CLUSTER),
-                len(served.pools[Path.CLUSTER]),
-            )
+            self._opened.append(served)
 
     async def _claim_previous_ports(self) -> None:
         """Hold the ports that installed rules point at, to give each back to its service port.
@@ -243,9 +330,7 @@ class Proxier:
     def _make_listener(
         self, sock: socket.socket, pool: EndpointPool, stats: ConnStats, name: str
     ) -> Listener:
-        if sock.type == socket.SOCK_STREAM:
-            return TcpListener(sock, pool, stats, name=name)
-        return UdpListener(sock, pool, stats, name=name, idle_timeout=self._udp_idle_timeout)
+        return self._dataplane.listener(sock, pool, stats, name)
 
     def _update_endpoints(self, served: _Served, snapshot: Snapshot) -> None:
         info = served.info
@@ -276,6 +361,8 @@ class Proxier:
             try:
                 if kind == socket.SOCK_STREAM:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                elif self._dataplane.shares_ports:  # workers join it (UDP: set before bind)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
                 sock.bind((address, info.node_port))
                 sock.setblocking(False)
             except OSError as exc:
@@ -419,7 +506,9 @@ class Proxier:
                         "endpoint": f"{ep[0]}:{ep[1]}",
                         "expiresIn": round(left, 1),
                     }
-                    for client, ep, left in served.pools[Path.CLUSTER].affinity_entries()
+                    for client, ep, left in self._dataplane.affinity_entries(
+                        served.pools[Path.CLUSTER]
+                    )
                 ],
                 "connections": {
                     "active": stats.active,

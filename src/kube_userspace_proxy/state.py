@@ -158,6 +158,7 @@ class ClusterState:
         self._dirty.clear()
         times = tuple(self._trigger_times)
         self._trigger_times.clear()
+        changes = (self.pending_service_changes, self.pending_endpoint_changes)
         self.pending_service_changes = 0
         self.pending_endpoint_changes = 0
         return Snapshot(
@@ -166,6 +167,8 @@ class ClusterState:
             node_name=self.node_name,
             node_ips=self._node_ips,
             trigger_times=times,
+            service_changes=changes[0],
+            endpoint_changes=changes[1],
         )
 
     # -- internals --------------------------------------------------------------------------

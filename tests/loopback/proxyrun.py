@@ -124,6 +124,8 @@ def loopback_config(manifests: Path, **overrides: Any) -> ProxyConfig:
         "nodeport_addresses": ("127.0.0.1/32",),
         "min_sync_period": 0.05,
         "shutdown_grace": 1.0,
+        # In-process tests look inside the data plane; tests/workers run the default.
+        "workers": "1",
     }
     values.update(overrides)
     return ProxyConfig(**values)

@@ -118,7 +118,7 @@ class RecordingRules:
     def claimed_ports(self) -> dict[tuple[str, str, str], int]:
         return dict(self.claimed)
 
-    def apply(self, ports: Sequence[ProxiedPort]) -> None:
+    def apply(self, ports: Sequence[ProxiedPort], node_ips: Sequence[str]) -> None:
         if self.fail:
             raise RuntimeError("iptables-restore failed")
         self.applied.append(list(ports))

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from kube_userspace_proxy import logs
@@ -78,6 +79,9 @@ class TcpListener:
         self._opening: asyncio.Task[None] | None = None
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Told each time a listening socket joins the port (the socket) or leaves it (None):
+        # worker processes track the order of their port's reuseport group with it.
+        self.on_listen: Callable[[socket.socket | None], None] | None = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -132,6 +136,8 @@ class TcpListener:
             server = await self.loop.create_server(self._protocol, sock=sock, backlog=self._backlog)
         except Exception:
             sock.close()
+            if self.on_listen is not None:
+                self.on_listen(None)
             raise
         finally:
             self._handing_over = False
@@ -163,6 +169,8 @@ class TcpListener:
         except BaseException:
             sock.close()
             raise
+        if self.on_listen is not None:
+            self.on_listen(sock)
         return sock
 
     def _protocol(self) -> Connection:
@@ -180,6 +188,8 @@ class TcpListener:
             server.close()  # closes the listening socket now
         if pending is not None or server is not None:
             log.debug("%s: refusing on %s", self.name, self._address)
+            if self.on_listen is not None:
+                self.on_listen(None)
 
     async def close(self) -> None:
         """Stop accepting and release the port; connections in flight go on to finish."""

@@ -1,0 +1,283 @@
+"""A data-plane worker process: serves every proxy port the control process sends it.
+
+Started by the control process as `python -m kube_userspace_proxy.worker` with one end of a
+socketpair. It holds the data plane only (listeners, endpoint pools, connections) and never
+imports the control plane's libraries (kubernetes_asyncio, aiohttp, pydantic, iptc), so it
+starts small. Each table it receives is the complete set of served ports; it reconciles its
+listeners to it, like the proxier does, and answers with the order in which its sockets joined
+and left each port's reuseport group (the control process steers clients with that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kube_userspace_proxy import channel, logs
+from kube_userspace_proxy.balancer import EndpointPool
+from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
+from kube_userspace_proxy.model import Endpoint, ServicePortName
+
+log = logs.get(__name__)
+
+Key = tuple[str, str, int]
+"""(protocol, host, port) of one served socket."""
+Address = tuple[str, int]
+COUNTERS = tuple(f.name for f in dataclasses.fields(ConnStats))
+
+
+class _Pool(EndpointPool):
+    """An endpoint pool whose dial failures are also reported to the other workers."""
+
+    def __init__(self, pool_id: int, name: ServicePortName, worker: Worker) -> None:
+        super().__init__(name)
+        self.pool_id = pool_id
+        self.worker = worker
+        self.last: tuple[tuple[Address, ...], float | None] | None = None
+
+    def dial_failed(self, address: Address) -> None:
+        super().dial_failed(address)
+        self.worker.report_penalty(self.pool_id, address)
+
+
+@dataclasses.dataclass(slots=True)
+class _Served:
+    listener: TcpListener | UdpListener
+    name: str
+    pool_id: int
+
+
+class Worker:
+    """The worker's state: listeners by (protocol, host, port), pools, counters per name."""
+
+    def __init__(
+        self,
+        index: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        self.index = index
+        self._reader = reader
+        self._writer = writer
+        self._served: dict[Key, _Served] = {}
+        self._pools: dict[int, _Pool] = {}
+        self._stats: dict[str, ConnStats] = {}
+        self._events: list[tuple[str, Key]] = []
+        self._programs: dict[tuple[int, ...], bytes] = {}
+        self._routes: dict[Key, tuple[int, ...]] = {}
+        self._group_socks: dict[Key, socket.socket] = {}
+        self._retired: list[TcpListener | UdpListener] = []
+        self.udp_idle_timeout = 0.25
+
+    # ---- the channel -----------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Serve tables until told to drain (exit 0) or the control process goes away (1)."""
+        channel.send(self._writer, ("hello", self.index, os.getpid()))
+        while True:
+            try:
+                message = await channel.receive(self._reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                log.error("worker %d: the control process is gone; stopping", self.index)
+                await self.drain(1.0)
+                return 1
+            kind = message[0]
+            if kind == "table":
+                await self.apply(*message[1:])
+            elif kind == "steer":
+                self.steer(message[1])
+            elif kind == "penalty":
+                pool = self._pools.get(message[1])
+                if pool is not None:
+                    EndpointPool.dial_failed(pool, message[2])
+            elif kind == "collect":
+                self._collect(message[1], message[2])
+            elif kind == "drain":
+                await self.drain(message[1])
+                channel.send(self._writer, ("drained", self.index))
+                await self._writer.drain()
+                return 0
+            else:
+                log.error("worker %d: unknown message %r", self.index, kind)
+
+    def report_penalty(self, pool_id: int, address: Address) -> None:
+        channel.send(self._writer, ("penalty", pool_id, address))
+
+    # ---- the table ---------------------------------------------------------------------------
+
+    async def apply(
+        self,
+        seq: int,
+        settings: dict[str, Any],
+        listeners: Sequence[tuple[Key, str, int, int]],
+        pools: dict[int, tuple[ServicePortName, tuple[Address, ...], float | None]],
+        routes: dict[Key, tuple[int, ...]],
+    ) -> None:
+        """Make the listeners and pools match the table; report group joins and leaves."""
+        self.udp_idle_timeout = float(settings.get("udp_idle_timeout", self.udp_idle_timeout))
+        self._routes.update(routes)
+        changed: set[int] = set()
+        for pool_id, (port_name, addresses, timeout) in pools.items():
+            pool = self._pools.get(pool_id)
+            if pool is None:
+                pool = self._pools[pool_id] = _Pool(pool_id, port_name, self)
+            if pool.last != (addresses, timeout):
+                pool.last = (addresses, timeout)
+                pool.update(
+                    [Endpoint(ip, port) for ip, port in addresses], affinity_timeout=timeout
+                )
+                changed.add(pool_id)
+        wanted = {entry[0]: entry for entry in listeners}
+        for key in [k for k in self._served if k not in wanted]:
+            served = self._served.pop(key)
+            await self._retire(key, served.listener)
+        for key, name, pool_id, v6only in listeners:
+            pool = self._pools[pool_id]
+            served_now = self._served.get(key)
+            if served_now is None:
+                try:
+                    listener = await self._open(key, name, pool, v6only)
+                except OSError as exc:
+                    log.error("worker %d: cannot serve %s %s:%d: %s", self.index, *key, exc)
+                    continue
+                self._served[key] = _Served(listener, name, pool_id)
+            elif served_now.pool_id != pool_id:
+                served_now.pool_id = pool_id
+                served_now.listener.set_picker(pool)
+            elif pool_id in changed:
+                served_now.listener.refresh()
+        for pool_id in [p for p in self._pools if p not in pools]:
+            del self._pools[pool_id]
+        names = {s.name for s in self._served.values()}
+        for gone in [n for n in self._stats if n not in names]:
+            del self._stats[gone]
+        self._routes = {k: r for k, r in self._routes.items() if k in self._served}
+        events, self._events = self._events, []
+        channel.send(self._writer, ("applied", seq, self.index, events))
+
+    async def _open(
+        self, key: Key, name: str, pool: _Pool, v6only: int
+    ) -> TcpListener | UdpListener:
+        protocol, host, port = key
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        kind = socket.SOCK_STREAM if protocol == "TCP" else socket.SOCK_DGRAM
+        sock = socket.socket(family, kind)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, v6only)
+            sock.bind((host, port))  # UDP: joins the port's group now
+        except BaseException:
+            sock.close()
+            raise
+        stats = self._stats.get(name)
+        if stats is None:
+            stats = self._stats[name] = ConnStats()
+        listener: TcpListener | UdpListener
+        if kind == socket.SOCK_STREAM:
+            listener = TcpListener(sock, pool, stats, name=name)
+            listener.on_listen = lambda joined: self._membership(key, joined)
+            await listener.start()
+        else:
+            self._membership(key, sock)
+            listener = UdpListener(sock, pool, stats, name=name, idle_timeout=self.udp_idle_timeout)
+            await listener.start()
+        return listener
+
+    async def _retire(self, key: Key, listener: TcpListener | UdpListener) -> None:
+        await listener.close()
+        if isinstance(listener, UdpListener):
+            self._membership(key, None)
+        self._retired = [old for old in self._retired if old.active_connections]
+        if listener.active_connections:
+            self._retired.append(listener)
+
+    def _membership(self, key: Key, sock: socket.socket | None) -> None:
+        """A socket of ours joined (`sock`) or left (None) the group of `key`."""
+        self._events.append(("join" if sock is not None else "leave", key))
+        if sock is None:
+            self._group_socks.pop(key, None)
+            return
+        self._group_socks[key] = sock
+        route = self._routes.get(key)
+        if route is not None:
+            self._attach(key, sock, route)
+
+    def _attach(self, key: Key, sock: socket.socket, route: tuple[int, ...]) -> None:
+        code = self._programs.get(route)
+        if code is None:
+            code = self._programs[route] = steering.program(route)
+        try:
+            steering.attach(sock, code)
+        except OSError as exc:
+            log.error("worker %d: cannot steer %s %s:%d: %s", self.index, *key, exc)
+
+    def steer(self, routes: dict[Key, tuple[int, ...]]) -> None:
+        """Attach the programs for changed groups (to the sockets this worker has in them)."""
+        for key, route in routes.items():
+            if key not in self._served:
+                continue
+            self._routes[key] = route
+            sock = self._group_socks.get(key)
+            if sock is not None:
+                self._attach(key, sock, route)
+
+    # ---- counters and shutdown ------------------------------------------------------------
+
+    def _collect(self, request: int, debug: bool) -> None:
+        stats = {
+            name: tuple(getattr(s, field) for field in COUNTERS) for name, s in self._stats.items()
+        }
+        affinity = None
+        if debug:
+            affinity = {pid: pool.affinity_entries() for pid, pool in self._pools.items()}
+        channel.send(self._writer, ("collected", request, self.index, stats, affinity))
+
+    async def drain(self, grace: float) -> None:
+        """Stop accepting everywhere, then give open connections `grace` seconds."""
+        listeners = [s.listener for s in self._served.values()] + self._retired
+        await asyncio.gather(*(lst.close() for lst in listeners), return_exceptions=True)
+        await asyncio.gather(*(lst.drain(grace) for lst in listeners), return_exceptions=True)
+        self._served.clear()
+        self._retired.clear()
+
+
+async def _main(args: argparse.Namespace) -> int:
+    sock = socket.socket(fileno=args.fd)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    loop = asyncio.get_running_loop()
+    # The control process decides when to stop: it drains the workers on SIGTERM/SIGINT.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, lambda: None)
+    return await Worker(args.index, reader, writer).run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kube-userspace-proxy worker")
+    parser.add_argument("--fd", type=int, required=True, help="the channel's descriptor")
+    parser.add_argument("--index", type=int, required=True, help="this worker's number")
+    parser.add_argument("-v", dest="verbosity", type=int, default=0)
+    parser.add_argument("--log-format", choices=("text", "json"), default="text")
+    parser.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop")
+    args = parser.parse_args(argv)
+    logs.setup(args.verbosity, args.log_format)
+    factory = None
+    if args.event_loop == "uvloop":
+        import uvloop  # noqa: PLC0415 - only the chosen loop is imported
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(_main(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
