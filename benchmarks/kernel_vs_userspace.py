@@ -44,9 +44,11 @@ Measured, per path, in `--rounds` interleaved rounds (path order rotated each ro
               done per CPU second.
 
 Figures are medians over rounds [min-max], with ratios of medians to kernel mode; `--json`
-also has every sample, the p50 latency and iperf3's retransmits. Needs root;
-creates and deletes its own namespaces (and kills what it started, by PID); installs nothing
-in the root namespace. About 2 minutes with the defaults.
+also has every sample, the p50 latency and iperf3's retransmits. Needs root (installs wrk,
+nginx-light and iperf3 with apt-get when missing); creates and deletes its own namespaces (and
+kills what it started, by PID); configures nothing in the root namespace. The namespaces,
+nginx pods, kernel-mode rules and load tools are `testbed.py`'s, shared with `peers.py`. About
+2 minutes with the defaults.
 
     sudo .venv/bin/python benchmarks/kernel_vs_userspace.py [--seconds 5] [--rounds 3]
         [--connections 50] [--threads 2] [--bulk-bytes 1073741824] [--streams 1]
@@ -57,42 +59,36 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import json
 import os
 import platform
-import resource
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import uvloop
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.integration.conftest import IPTABLES, Proxy, service, write_manifest  # noqa: E402
-from tests.integration.netns import (  # noqa: E402
-    POD_PORT,
-    PODS,
-    Netns,
-    Topology,
-    available,
-    stop,
-    wait_for,
+from testbed import (
+    BULK_PORT,
+    HTTP_PORT,
+    TOOLS,
+    GiB,
+    Testbed,
+    cpu_model,
+    cpu_shares,
+    install_missing,
+    source_commit,
+    version,
 )
 
-GiB = 1 << 30
+from tests.integration.conftest import Proxy, service, write_manifest
+from tests.integration.netns import PODS, available, stop
+
 PATHS = ("kernel", "userspace", "direct")
-HTTP_PORT = 80
-BULK_PORT = 5201
 DIRECT_PORT = 8081
 # Per path: (HTTP address, bulk address, client source address).
 ADDRESSES = {
@@ -100,141 +96,6 @@ ADDRESSES = {
     "userspace": ("10.96.0.11", "10.96.0.21", "10.244.1.12"),
     "direct": (PODS["pod-a"], PODS["pod-a"], "10.244.1.13"),
 }
-
-NGINX_CONF = """\
-worker_processes {workers};
-pid {dir}/nginx.pid;
-error_log {dir}/error.log warn;
-worker_rlimit_nofile 16384;
-events {{ worker_connections 8192; }}
-http {{
-    access_log off;
-    keepalive_requests 10000000;
-    keepalive_timeout 60s;
-    client_body_temp_path {dir}/body;
-    proxy_temp_path {dir}/proxy;
-    fastcgi_temp_path {dir}/fastcgi;
-    uwsgi_temp_path {dir}/uwsgi;
-    scgi_temp_path {dir}/scgi;
-    server {{
-        listen {port} backlog=4096 reuseport;
-        location / {{ default_type text/plain; return 200 "{name}\\n"; }}
-    }}
-}}
-"""
-
-# wrk prints one JSON line when it is done.
-WRK_REPORT = """\
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format(
-    'WRKJSON {"requests": %d, "duration_us": %d, "bytes": %d, "connect": %d, "read": %d, '
-    .. '"write": %d, "status": %d, "timeout": %d, "p50_us": %d, "p99_us": %d}\\n',
-    summary.requests, summary.duration, summary.bytes, e.connect, e.read, e.write, e.status,
-    e.timeout, latency:percentile(50), latency:percentile(99)))
-end
-"""
-
-# Which pods answer: `count` requests, one connection each (run in the client namespace).
-SPREAD = textwrap.dedent(
-    """
-    import collections, json, socket, sys
-    host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    seen = collections.Counter()
-    for _ in range(count):
-        try:
-            with socket.create_connection((host, port), timeout=3) as s:
-                s.sendall(b"GET / HTTP/1.0\\r\\nHost: bench\\r\\n\\r\\n")
-                data = b""
-                while chunk := s.recv(4096):
-                    data += chunk
-            seen[data.split(b"\\r\\n\\r\\n", 1)[-1].decode().strip()] += 1
-        except OSError as exc:
-            seen[f"error: {exc}"] += 1
-    print(json.dumps(seen))
-    """
-)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def runqueue_wait(pid: int) -> float:
-    """Seconds a process has spent runnable but waiting for a CPU (/proc/PID/schedstat)."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def machine_busy() -> tuple[float, float]:
-    """(busy, total) jiffies of all CPUs, from /proc/stat."""
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:9]]
-    idle = values[3] + values[4]
-    return sum(values) - idle, sum(values)
-
-
-def version(*cmd: str) -> str:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False)
-    except OSError:
-        return "?"
-    out = (done.stdout + done.stderr).strip().splitlines()
-    return out[0] if out else "?"
-
-
-def kernel_rules(name: str, cluster_ip: str, port: int, endpoints: list[tuple[str, int]]) -> str:
-    """kube-proxy iptables-mode rules (nat) for one ClusterIP port, for iptables-restore."""
-    svc = f"KUBE-SVC-{name.upper()}"
-    seps = [f"KUBE-SEP-{name.upper()}{i}" for i in range(len(endpoints))]
-    comment = f'-m comment --comment "default/{name}:p"'
-    lines = [f":{chain} - [0:0]" for chain in (svc, *seps)]
-    lines.append(
-        f"-A KUBE-SERVICES -d {cluster_ip}/32 -p tcp {comment} -m tcp --dport {port} -j {svc}"
-    )
-    for i, (sep, (ip, target)) in enumerate(zip(seps, endpoints, strict=True)):
-        left = len(endpoints) - i
-        if left > 1:
-            lines.append(
-                f"-A {svc} {comment} -m statistic --mode random"
-                f" --probability {1 / left:.11f} -j {sep}"
-            )
-        else:
-            lines.append(f"-A {svc} {comment} -j {sep}")
-        lines.append(f"-A {sep} -s {ip}/32 {comment} -j KUBE-MARK-MASQ")
-        lines.append(f"-A {sep} -p tcp {comment} -m tcp -j DNAT --to-destination {ip}:{target}")
-    return "\n".join(lines)
-
-
-def kernel_ruleset() -> str:
-    pods = [(ip, POD_PORT) for ip in PODS.values()]
-    return "\n".join(
-        [
-            "*nat",
-            ":KUBE-SERVICES - [0:0]",
-            ":KUBE-MARK-MASQ - [0:0]",
-            ":KUBE-POSTROUTING - [0:0]",
-            '-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES',
-            '-A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES',
-            '-A POSTROUTING -m comment --comment "kubernetes postrouting rules"'
-            " -j KUBE-POSTROUTING",
-            "-A KUBE-MARK-MASQ -j MARK --or-mark 0x4000",
-            "-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN",
-            "-A KUBE-POSTROUTING -j MARK --xor-mark 0x4000",
-            '-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring'
-            ' SNAT" -j MASQUERADE --random-fully',
-            kernel_rules("web", ADDRESSES["kernel"][0], HTTP_PORT, pods),
-            kernel_rules("bulk", ADDRESSES["kernel"][1], BULK_PORT, [(PODS["pod-a"], BULK_PORT)]),
-            "COMMIT",
-            "",
-        ]
-    )
 
 
 def manifest_objects() -> list[dict[str, Any]]:
@@ -247,54 +108,29 @@ def manifest_objects() -> list[dict[str, Any]]:
 
 
 class Bench:
-    """The namespaces, servers and proxy of one run; `close` removes all of it."""
+    """The testbed and the proxy of one run; `close` removes all of it."""
 
     def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
         self.args = args
         self.tmp = tmp
-        self.topo: Topology | None = None
+        self.bed = Testbed(tmp, args.nginx_workers, args.iptables_backend)
         self.proxy: Proxy | None = None
-        self.lua = tmp / "report.lua"
-        self.lua.write_text(WRK_REPORT)
-        self.servers: list[int] = []
 
     def setup(self) -> None:
-        self.topo = topo = Topology.create(self.tmp)
-        # The topology starts small Python backends on POD_PORT: nginx replaces them.
-        for proc in topo.procs:
-            stop(proc)
-        topo.procs.clear()
-        client, node = topo.client, topo.node
-        client.run("sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1")
-        client.run("sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65535")
-        node.run("sysctl", "-qw", "net.ipv4.ip_forward=1")
+        bed = self.bed
+        bed.setup()
         for http, bulk, src in ADDRESSES.values():
-            client.ip("addr", "add", f"{src}/24", "dev", "eth0")
-            for dst in {http, bulk}:
-                client.ip("route", "add", f"{dst}/32", "via", "10.244.1.1", "src", src)
-        for pod, ns in topo.pods.items():
-            self._nginx(pod, ns, POD_PORT, self.args.nginx_workers)
-        self._nginx("pod-a", topo.pods["pod-a"], DIRECT_PORT, 3 * self.args.nginx_workers)
-        pod_a = topo.pods["pod-a"]
-        topo.procs.append(
-            pod_a.popen(["iperf3", "-s", "-p", str(BULK_PORT)], self.tmp / "iperf3.log")
-        )
-        for pod, ns in topo.pods.items():
-            ports = [POD_PORT, BULK_PORT, DIRECT_PORT] if pod == "pod-a" else [POD_PORT]
-            wait_for(
-                lambda ns=ns, ports=ports: all(f":{p} " in ns.run("ss", "-lnt") for p in ports),
-                f"{pod} listening",
-            )
-        self.servers = self.server_pids()
+            bed.client_route(src, http, bulk)
+        bed.nginx("pod-a", DIRECT_PORT, 3 * self.args.nginx_workers)
+        bed.wait_listening("pod-a", DIRECT_PORT)
+        bed.started_servers()
         # Kernel mode first, then the proxy (it adds its own chains and jumps beside these).
-        restore = IPTABLES[self.args.iptables_backend] + "-restore"
-        rules = self.tmp / "kernel-mode.rules"
-        rules.write_text(kernel_ruleset())
-        node.run(restore, "--noflush", "-w", "5", str(rules))
+        bed.kernel_mode(ADDRESSES["kernel"][0], ADDRESSES["kernel"][1])
         manifest = self.tmp / "services.yaml"
         write_manifest(manifest, manifest_objects())
+        assert bed.topo is not None
         self.proxy = Proxy(
-            topo,
+            bed.topo,
             self.args.iptables_backend,
             manifest,
             self.tmp / "proxy.log",
@@ -303,116 +139,40 @@ class Bench:
         )
         self.proxy.start()
         self.proxy.wait_rules(ADDRESSES["userspace"][0], ADDRESSES["userspace"][1])
-        # Conntrack sysctls exist once the nat table is in use in this namespace.
-        node.run("sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_timeout_time_wait=10")
-
-    def _nginx(self, pod: str, ns: Netns, port: int, workers: int) -> None:
-        assert self.topo is not None
-        conf_dir = self.tmp / f"nginx-{pod}-{port}"
-        conf_dir.mkdir()
-        conf = conf_dir / "nginx.conf"
-        conf.write_text(NGINX_CONF.format(dir=conf_dir, port=port, name=pod, workers=workers))
-        args = ["nginx", "-p", str(conf_dir), "-e", str(conf_dir / "error.log"), "-c", str(conf)]
-        self.topo.procs.append(ns.popen([*args, "-g", "daemon off;"], conf_dir / "stdout.log"))
 
     def close(self) -> None:
         if self.proxy is not None and self.proxy.proc is not None:
             stop(self.proxy.proc)
-        if self.topo is not None:
-            self.topo.destroy()
-            self.topo = None
+        self.bed.close()
 
     # --- checks and measurements
 
+    def port(self, path: str) -> int:
+        return DIRECT_PORT if path == "direct" else HTTP_PORT
+
     def spread(self, path: str, count: int = 60) -> dict[str, int]:
-        assert self.topo is not None
-        host = ADDRESSES[path][0]
-        port = DIRECT_PORT if path == "direct" else HTTP_PORT
-        out = self.topo.client.python(SPREAD, host, str(port), str(count))
-        seen: dict[str, int] = json.loads(out)
-        return seen
+        return self.bed.spread(ADDRESSES[path][0], self.port(path), count)
 
-    def url(self, path: str) -> str:
-        host = ADDRESSES[path][0]
-        return f"http://{host}:{DIRECT_PORT if path == 'direct' else HTTP_PORT}/"
-
-    def wrk(self, path: str, seconds: float, close: bool) -> dict[str, Any]:
-        assert self.topo is not None
-        args = ["wrk", f"-t{self.args.threads}", f"-c{self.args.connections}"]
-        args += [f"-d{seconds:g}s", "--timeout", "2s", "-s", str(self.lua)]
-        if close:
-            args += ["-H", "Connection: close"]
-        out = self.topo.client.run(*args, self.url(path), timeout=seconds + 30)
-        line = next(x for x in out.splitlines() if x.startswith("WRKJSON "))
-        result: dict[str, Any] = json.loads(line.removeprefix("WRKJSON "))
-        result["rate"] = result["requests"] / (result["duration_us"] / 1e6)
-        result["errors"] = sum(result[k] for k in ("connect", "read", "write", "status", "timeout"))
-        return result
+    def wrk(self, path: str, seconds: int, close: bool) -> dict[str, Any]:
+        url = f"http://{ADDRESSES[path][0]}:{self.port(path)}/"
+        a = self.args
+        return self.bed.wrk(url, seconds, threads=a.threads, connections=a.connections, close=close)
 
     def iperf(self, path: str) -> dict[str, Any]:
-        assert self.topo is not None
-        total = self.args.bulk_bytes * self.args.streams
-        args = ["iperf3", "-c", ADDRESSES[path][1], "-p", str(BULK_PORT), "-J", "-Z"]
-        args += ["-n", str(total), "-P", str(self.args.streams), "--connect-timeout", "3000"]
-        out = self.topo.client.run(*args, timeout=self.args.bulk_timeout, check=False)
-        try:
-            report = json.loads(out)
-        except json.JSONDecodeError:
-            return {"error": out[-300:] or "no output"}
-        if "error" in report:
-            return {"error": report["error"]}
-        received = report["end"]["sum_received"]
-        return {
-            "gbit_s": received["bits_per_second"] / 1e9,
-            "bytes": received["bytes"],
-            "seconds": received["seconds"],
-            "retransmits": report["end"]["sum_sent"].get("retransmits", 0),
-        }
-
-    def server_pids(self) -> list[int]:
-        """nginx workers (children of each master) and the iperf3 server."""
-        assert self.topo is not None
-        pids = []
-        for proc in self.topo.procs:
-            try:
-                children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text()
-            except OSError:
-                continue
-            pids += [int(c) for c in children.split()] or [proc.pid]
-        return pids
+        return self.bed.iperf(
+            ADDRESSES[path][1],
+            self.args.streams,
+            bytes_per_stream=self.args.bulk_bytes,
+            timeout=self.args.bulk_timeout,
+        )
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds so far: proxy, servers, client (reaped children: wrk, iperf3), machine."""
         assert self.proxy is not None and self.proxy.proc is not None
-        child = resource.getrusage(resource.RUSAGE_CHILDREN)
-        busy, total = machine_busy()
-        return {
-            "proxy": cpu_seconds(self.proxy.proc.pid),
-            "proxy_wait": runqueue_wait(self.proxy.proc.pid),
-            "servers": sum(cpu_seconds(pid) for pid in self.servers),
-            "client": child.ru_utime + child.ru_stime,
-            "busy": busy,
-            "total": total,
-            "wall": time.monotonic(),
-        }
+        return self.bed.cpu([self.proxy.proc.pid])
 
     def shares(self, got: dict[str, Any], before: dict[str, float], path: str) -> None:
         """Adds each part's CPU use over the run, as a share of one CPU (machine: of all)."""
-        after = self.cpu()
-        wall = after["wall"] - before["wall"]
-        for part in ("client", "servers") + (("proxy",) if path == "userspace" else ()):
-            got[f"{part}_cpu_s"] = after[part] - before[part]
-            got[f"{part}_cpu_share"] = got[f"{part}_cpu_s"] / wall
-        if path == "userspace":
-            got["proxy_wait_share"] = (after["proxy_wait"] - before["proxy_wait"]) / wall
-        got["path_cpu_s"] = sum(
-            got[f"{part}_cpu_s"]
-            for part in ("client", "servers", "proxy")
-            if f"{part}_cpu_s" in got
-        )
-        got["machine_busy"] = (after["busy"] - before["busy"]) / max(
-            1, after["total"] - before["total"]
-        )
+        cpu_shares(got, before, self.cpu(), proxy=path == "userspace")
 
     def sample(self, path: str) -> dict[str, Any]:
         """One round of the three measurements on one path."""
@@ -589,7 +349,7 @@ def print_table(results: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=5.0, help="per wrk run (default 5)")
+    parser.add_argument("--seconds", type=int, default=5, help="per wrk run, whole (5)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--connections", type=int, default=50, help="wrk connections (50)")
     parser.add_argument("--threads", type=int, default=2, help="wrk threads (default 2)")
@@ -609,8 +369,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.connections > 4000 or args.connections < 1:
         parser.error("--connections must be 1..4000 (the proxy holds two descriptors each)")
-    if not 1 <= args.rounds <= 20 or not 0.5 <= args.seconds <= 120:
-        parser.error("--rounds must be 1..20 and --seconds 0.5..120")
+    if not 1 <= args.rounds <= 20 or not 1 <= args.seconds <= 120:
+        parser.error("--rounds must be 1..20 and --seconds 1..120")
     if not 1 <= args.nginx_workers <= 8:
         parser.error("--nginx-workers must be 1..8")
     if not 1 <= args.bulk_runs <= 10 or not 1 <= args.streams <= 16:
@@ -621,10 +381,10 @@ def main() -> int:
     if reason:
         print(f"kernel_vs_userspace: {reason}", file=sys.stderr)
         return 2
-    for tool in ("wrk", "nginx", "iperf3"):
-        if shutil.which(tool) is None:
-            print(f"kernel_vs_userspace: needs `{tool}` (apt-get install wrk nginx-light iperf3)")
-            return 2
+    reason = install_missing(TOOLS)
+    if reason:
+        print(f"kernel_vs_userspace: {reason}", file=sys.stderr)
+        return 2
 
     tmp = Path(tempfile.mkdtemp(prefix="kup-kvu-"))
     bench = Bench(args, tmp)
@@ -677,12 +437,12 @@ def main() -> int:
             for path in order:
                 samples[path].append(bench.sample(path))
                 print(f"  round {r + 1} {path}: {brief(samples[path][-1])}", file=sys.stderr)
-        assert bench.topo is not None and bench.proxy is not None and bench.proxy.proc
+        assert bench.proxy is not None and bench.proxy.proc
         if bench.proxy.proc.poll() is not None:
             tail = bench.proxy.log.read_text()[-2000:]
             raise RuntimeError(f"the proxy exited during the run: {tail}")
         results["conntrack_count_end"] = int(
-            bench.topo.node.run("sysctl", "-n", "net.netfilter.nf_conntrack_count").strip()
+            bench.bed.node.run("sysctl", "-n", "net.netfilter.nf_conntrack_count").strip()
         )
     finally:
         bench.close()
@@ -712,22 +472,6 @@ def brief(s: dict[str, Any]) -> str:
         f"{ka['rate']:.0f} req/s ({cpu(ka)}), {nc['rate']:.0f} conn/s ({cpu(nc)}),"
         f" {rate} ({cpu(bulk)})"
     )
-
-
-def source_commit() -> str:
-    """The checkout's commit, with "+dirty" when src/ has uncommitted changes."""
-    git = ["git", "-C", str(ROOT)]
-    head = version(*git, "rev-parse", "--short", "HEAD")
-    dirty = version(*git, "status", "--porcelain", "--", "src") not in ("", "?")
-    return head + ("+dirty" if dirty else "")
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "?"
 
 
 if __name__ == "__main__":

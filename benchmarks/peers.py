@@ -1,0 +1,886 @@
+"""This proxy and its peers on one Service, in one run: kernel DNAT, HAProxy, nginx stream.
+
+The testbed of `kernel_vs_userspace.py` (`testbed.py`: a client pod, a node and three nginx
+pods in network namespaces named with this pid, deleted afterwards) carries the same Service,
+with the same three pods, through five peers, each with its own ClusterIP and client source
+address:
+
+  kernel      kube-proxy's iptables mode: DNAT in the node namespace (the baseline)
+  proxy-1     `kube-userspace-proxy run --workers 1` (its own REDIRECT rules)
+  proxy-auto  `kube-userspace-proxy run` with the default `--workers auto` (N processes)
+  haproxy     Debian's HAProxy, `mode tcp`, `balance roundrobin`, `nbthread N`
+  nginx       Debian's nginx stream module, `worker_processes N`, round robin
+
+N is what `--workers auto` resolves to here (the CPUs this process may run on, at most 4).
+HAProxy and nginx listen in the node namespace and get the ClusterIP's connections through a
+REDIRECT rule in PREROUTING, as this proxy does; each is started by this script, with its
+defaults otherwise (no splice in HAProxy, no reuseport in nginx). The bulk Service has one
+endpoint (pod-a's iperf3: its control and data connections must reach the same server).
+
+Each round measures every peer in turn (order rotated each round), starting it first and
+stopping it afterwards, so only one peer's processes exist at a time:
+
+  after start   every pod answers (60 one-shot requests); RSS (sum over the peer's processes)
+  keep-alive    wrk: requests/s over `--seconds`, `--connections` keep-alive connections
+  setup         `--setup-count` requests one after another, each on a new connection: p50 of
+                connect() to the answer's first byte (added over DNAT: minus kernel's p50)
+  new conns     wrk with `Connection: close`: one request per connection
+  bulk          iperf3 for `--bulk-seconds`, 1 stream, then 4 streams
+  idle          `--idle` connections opened and held (proxied ones cost two descriptors each:
+                RLIMIT_NOFILE is 20,000 per process here): RSS, and RSS per connection
+
+CPU: user + system seconds of the peer's processes (/proc/PID/stat) per request, per new
+connection and per GiB; for kernel DNAT, which has no process, the ratio column compares the
+whole path instead (wrk + nginx or iperf3 + the peer). The figures are medians over rounds;
+every figure is also a ratio to kernel DNAT (and to HAProxy). Output: `peers.md` (machine,
+settings, table), `peers.json` (every sample), `peers-ratios.png` and `peers-costs.png` in
+`--out` (quick runs: `peers-quick.*`). Needs root; installs what is missing (apt: haproxy,
+nginx-light, libnginx-mod-stream, wrk, iperf3; pip: the `bench` extra, matplotlib). About 5
+minutes; rounds that would end after `--budget` seconds are not started.
+
+    sudo .venv/bin/python benchmarks/peers.py [--quick] [--rounds 2] [--seconds 5]
+        [--bulk-seconds 3] [--setup-count 1000] [--idle 9000] [--peers kernel,proxy-1,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvloop
+from testbed import (
+    BULK_PORT,
+    HTTP_PORT,
+    ROOT,
+    TOOLS,
+    GiB,
+    IdleConnections,
+    Testbed,
+    cpu_model,
+    cpu_shares,
+    install_missing,
+    memory_kib,
+    process_tree,
+    source_commit,
+    version,
+)
+
+from kube_userspace_proxy.config import ProxyConfig
+from tests.integration.conftest import Proxy, service, write_manifest
+from tests.integration.netns import POD_PORT, PODS, available, stop, wait_for
+
+WORKERS = ProxyConfig(workers="auto").worker_count
+STREAM_MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"
+PACKAGES = {**TOOLS, "haproxy": "haproxy", STREAM_MODULE: "libnginx-mod-stream"}
+
+HAPROXY_CONF = """\
+global
+    maxconn {maxconn}
+    nbthread {threads}
+defaults
+    mode tcp
+    balance roundrobin
+    timeout connect 2s
+    timeout client 120s
+    timeout server 120s
+listen web
+    bind 0.0.0.0:{http_port}
+{servers}
+listen bulk
+    bind 0.0.0.0:{bulk_port}
+    server a {pod_a}:{target}
+"""
+
+NGINX_STREAM_CONF = """\
+load_module {module};
+worker_processes {workers};
+worker_rlimit_nofile {nofile};
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections {connections}; }}
+stream {{
+    upstream web {{
+{servers}
+    }}
+    upstream bulk {{ server {pod_a}:{target}; }}
+    server {{ listen {http_port} backlog=4096; proxy_pass web; proxy_connect_timeout 2s; }}
+    server {{ listen {bulk_port}; proxy_pass bulk; proxy_connect_timeout 2s; }}
+}}
+"""
+
+PEERS = ("kernel", "proxy-1", "proxy-auto", "haproxy", "nginx")
+# A proxied connection holds two descriptors: 9,400 of them fit under RLIMIT_NOFILE 20,000.
+MAX_PROXIED = 9400
+
+
+@dataclass
+class Peer:
+    """One way to the Service: its ClusterIPs, client address and (but for DNAT) processes."""
+
+    key: str
+    label: str
+    http: str
+    bulk: str
+    src: str
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, bed: Testbed, tmp: Path) -> None:
+        """Start the peer's processes in the node namespace (DNAT: nothing to start)."""
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+            self.proc = None
+
+    def alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
+
+    def pids(self) -> list[int]:
+        return process_tree(self.proc.pid) if self.proc is not None else []
+
+    def redirect(self) -> tuple[int, int] | None:
+        """The (HTTP, bulk) ports to REDIRECT the ClusterIPs to, for a peer without rules."""
+        return None
+
+
+@dataclass
+class ThisProxy(Peer):
+    """`kube-userspace-proxy run --workers <workers>`, from this checkout."""
+
+    workers: str = "1"
+    backend: str = "restore"
+    proxy: Proxy | None = field(default=None, repr=False)
+
+    def start(self, bed: Testbed, tmp: Path) -> None:
+        manifest = tmp / f"services-{self.key}.yaml"
+        web = service(f"web-{self.key}", self.http, HTTP_PORT)
+        bulk = service(f"bulk-{self.key}", self.bulk, BULK_PORT, pods=("pod-a",))
+        bulk[0]["spec"]["ports"][0]["targetPort"] = BULK_PORT
+        bulk[1]["ports"][0]["port"] = BULK_PORT
+        write_manifest(manifest, [*web, *bulk])
+        assert bed.topo is not None
+        flags = ("--iptables-sync-period", "30s", "--iptables-min-sync-period", "1s", "-v", "0")
+        self.proxy = Proxy(
+            bed.topo,
+            self.backend,
+            manifest,
+            tmp / f"{self.key}.log",
+            (*flags, "--workers", self.workers),
+        )
+        self.proxy.start()
+        self.proc = self.proxy.proc
+        self.proxy.wait_rules(self.http, self.bulk)
+
+
+@dataclass
+class Haproxy(Peer):
+    """HAProxy in TCP mode, round robin over the pods, `nbthread` threads, one process."""
+
+    threads: int = 1
+    ports: tuple[int, int] = (41080, 41201)
+
+    def redirect(self) -> tuple[int, int]:
+        return self.ports
+
+    def start(self, bed: Testbed, tmp: Path) -> None:
+        servers = "\n".join(f"    server {pod} {ip}:{POD_PORT}" for pod, ip in PODS.items())
+        conf = tmp / "haproxy.cfg"
+        conf.write_text(
+            HAPROXY_CONF.format(
+                maxconn=MAX_PROXIED,
+                threads=self.threads,
+                http_port=self.ports[0],
+                bulk_port=self.ports[1],
+                servers=servers,
+                pod_a=PODS["pod-a"],
+                target=BULK_PORT,
+            )
+        )
+        self.proc = bed.node.popen(["haproxy", "-db", "-f", str(conf)], tmp / "haproxy.log")
+        wait_listening(bed, self.ports, self.proc, tmp / "haproxy.log")
+
+
+@dataclass
+class NginxStream(Peer):
+    """nginx's stream module: TCP proxying, round robin, `worker_processes` processes."""
+
+    workers: int = 1
+    ports: tuple[int, int] = (42080, 42201)
+
+    def redirect(self) -> tuple[int, int]:
+        return self.ports
+
+    def start(self, bed: Testbed, tmp: Path) -> None:
+        conf_dir = tmp / "nginx-stream"
+        conf_dir.mkdir(exist_ok=True)
+        servers = "\n".join(f"        server {ip}:{POD_PORT};" for ip in PODS.values())
+        conf = conf_dir / "nginx.conf"
+        conf.write_text(
+            NGINX_STREAM_CONF.format(
+                module=STREAM_MODULE,
+                workers=self.workers,
+                nofile=19900,
+                connections=2 * MAX_PROXIED + 100,
+                dir=conf_dir,
+                servers=servers,
+                pod_a=PODS["pod-a"],
+                target=BULK_PORT,
+                http_port=self.ports[0],
+                bulk_port=self.ports[1],
+            )
+        )
+        log = conf_dir / "stdout.log"
+        args = ["nginx", "-p", str(conf_dir), "-e", str(conf_dir / "error.log"), "-c", str(conf)]
+        self.proc = bed.node.popen([*args, "-g", "daemon off;"], log)
+        wait_listening(bed, self.ports, self.proc, conf_dir / "error.log")
+
+
+def wait_listening(
+    bed: Testbed, ports: tuple[int, ...], proc: subprocess.Popen[bytes], log: Path
+) -> None:
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"exited: {log.read_text()[-2000:]}")
+        listening = bed.node.run("ss", "-lnt")
+        return all(f":{port} " in listening for port in ports)
+
+    wait_for(up, f"listening on {ports}")
+
+
+def make_peers(backend: str) -> list[Peer]:
+    haproxy = version("haproxy", "-v").split(" - ")[0].replace("HAProxy version ", "HAProxy ")
+    nginx = version("nginx", "-v").replace("nginx version: nginx/", "nginx ")
+    return [
+        Peer("kernel", "kernel iptables DNAT", "10.96.0.10", "10.96.0.20", "10.244.1.11"),
+        ThisProxy(
+            "proxy-1",
+            "this proxy, --workers 1",
+            "10.96.0.11",
+            "10.96.0.21",
+            "10.244.1.12",
+            workers="1",
+            backend=backend,
+        ),
+        ThisProxy(
+            "proxy-auto",
+            f"this proxy, --workers auto ({WORKERS})",
+            "10.96.0.12",
+            "10.96.0.22",
+            "10.244.1.13",
+            workers="auto",
+            backend=backend,
+        ),
+        Haproxy(
+            "haproxy",
+            f"{haproxy.split('-')[0]}, nbthread {WORKERS}",
+            "10.96.0.13",
+            "10.96.0.23",
+            "10.244.1.14",
+            threads=WORKERS,
+        ),
+        NginxStream(
+            "nginx",
+            f"{nginx} stream, {WORKERS} workers",
+            "10.96.0.14",
+            "10.96.0.24",
+            "10.244.1.15",
+            workers=WORKERS,
+        ),
+    ]
+
+
+def redirect_rules(peers: list[Peer]) -> str:
+    """REDIRECT in PREROUTING for the peers that do not install rules of their own."""
+    lines = ["*nat", ":BENCH-PEERS - [0:0]", "-A PREROUTING -j BENCH-PEERS"]
+    for peer in peers:
+        ports = peer.redirect()
+        if ports is None:
+            continue
+        for ip, port, to in ((peer.http, HTTP_PORT, ports[0]), (peer.bulk, BULK_PORT, ports[1])):
+            lines.append(
+                f"-A BENCH-PEERS -d {ip}/32 -p tcp -m tcp --dport {port}"
+                f" -j REDIRECT --to-ports {to}"
+            )
+    return "\n".join([*lines, "COMMIT", ""])
+
+
+class Run:
+    """The testbed, the peers and the samples of one run."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path, peers: list[Peer]) -> None:
+        self.args = args
+        self.tmp = tmp
+        self.peers = peers
+        self.bed = Testbed(tmp, args.nginx_workers, args.iptables_backend)
+        self.loadavg: list[float] = []
+
+    def setup(self) -> None:
+        bed = self.bed
+        bed.setup()
+        bed.started_servers()
+        for peer in self.peers:
+            bed.client_route(peer.src, peer.http, peer.bulk)
+        kernel = self.peers[0]
+        bed.kernel_mode(kernel.http, kernel.bulk)
+        bed.restore(redirect_rules(self.peers), "redirect")
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.stop()
+        self.bed.close()
+
+    def sample(self, peer: Peer) -> dict[str, Any]:
+        """Start the peer, measure everything once, stop it."""
+        a, bed = self.args, self.bed
+        self.loadavg.append(os.getloadavg()[0])
+        out: dict[str, Any] = {}
+        peer.start(bed, self.tmp)
+        try:
+            seen: dict[str, int] = {}
+
+            def answered() -> bool:
+                nonlocal seen
+                seen = bed.spread(peer.http, HTTP_PORT, 60)
+                return set(seen) == set(PODS)
+
+            wait_for(answered, f"{peer.key}: every pod answering ({seen})", timeout=30)
+            out["spread"] = seen
+            pids = peer.pids()
+            if pids:
+                out["processes"] = len(pids)
+                out["rss_start_kib"], out["pss_start_kib"] = memory(pids)
+            url = f"http://{peer.http}:{HTTP_PORT}/"
+            load = {"threads": a.threads, "connections": a.connections}
+            bed.wrk(url, 1, **load, close=False)  # warm-up
+
+            def measured(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+                before = bed.cpu(pids)
+                got = work()
+                cpu_shares(got, before, bed.cpu(pids), proxy=bool(pids))
+                return got
+
+            for kind, close in (("keepalive", False), ("newconn", True)):
+                got = measured(lambda close=close: bed.wrk(url, a.seconds, **load, close=close))
+                got["path_cpu_us_per_req"] = got["path_cpu_s"] / max(1, got["requests"]) * 1e6
+                if pids:
+                    got["proxy_cpu_us_per_req"] = got["proxy_cpu_s"] / max(1, got["requests"]) * 1e6
+                out[kind] = got
+                if kind == "keepalive":
+                    # Unloaded, before the new-connection run leaves TIME_WAIT behind.
+                    out["setup"] = bed.setup_latency(peer.http, HTTP_PORT, a.setup_count)
+            for streams in (1, 4):
+                got = measured(
+                    lambda streams=streams: bed.iperf(
+                        peer.bulk, streams, seconds=a.bulk_seconds, timeout=a.bulk_seconds + 30
+                    )
+                )
+                if "bytes" in got:
+                    gib = got["bytes"] / GiB
+                    got["path_cpu_s_per_gib"] = got["path_cpu_s"] / gib
+                    if pids:
+                        got["proxy_cpu_s_per_gib"] = got["proxy_cpu_s"] / gib
+                out[f"bulk{streams}"] = got
+            if pids:
+                out["idle"] = self.idle(peer, pids)
+            if not peer.alive():
+                raise RuntimeError(f"{peer.key} exited during its run")
+        finally:
+            peer.stop()
+        self.loadavg.append(os.getloadavg()[0])
+        return out
+
+    def idle(self, peer: Peer, pids: list[int]) -> dict[str, Any]:
+        """RSS with `--idle` connections open through the peer (each also open to a pod)."""
+        bed, count = self.bed, self.args.idle
+        before, _ = memory(pids)
+        base = bed.pod_connections()
+        held = IdleConnections(bed, peer.http, HTTP_PORT, count)
+        try:
+            opened, errors = held.opened(timeout=120)
+            wait_for(
+                lambda: bed.pod_connections() >= base + opened,
+                f"{opened} connections at the pods",
+                timeout=60,
+                interval=0.5,
+            )
+            rss, pss = memory(pids)
+        finally:
+            held.close()
+        wait_for(lambda: bed.pod_connections() <= base, "idle connections closed", timeout=60)
+        return {
+            "connections": opened,
+            "errors": errors,
+            "rss_kib": rss,
+            "pss_kib": pss,
+            "rss_before_kib": before,
+            "kib_per_connection": (rss - before) / max(1, opened),
+        }
+
+
+def memory(pids: list[int]) -> tuple[int, int]:
+    """(RSS, PSS) in KiB, summed over processes."""
+    both = [memory_kib(pid) for pid in pids]
+    return sum(r for r, _ in both), sum(p for _, p in both)
+
+
+# --- the figures
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of the table: a figure per sample, and how it compares with kernel DNAT."""
+
+    key: str
+    label: str
+    fmt: str
+    value: Callable[[dict[str, Any]], float | None]
+    # The figure kernel DNAT is compared on (CPU: the whole path's, since DNAT has no process).
+    versus: Callable[[dict[str, Any]], float | None] | None = None
+
+
+def _get(*keys: str) -> Callable[[dict[str, Any]], float | None]:
+    def get(sample: dict[str, Any]) -> float | None:
+        node: Any = sample
+        for key in keys:
+            if not isinstance(node, dict) or key not in node:
+                return None
+            node = node[key]
+        return float(node) if node is not None else None
+
+    return get
+
+
+def _mb(*keys: str) -> Callable[[dict[str, Any]], float | None]:
+    get = _get(*keys)
+    return lambda s: None if (v := get(s)) is None else v / 1024
+
+
+FIGURES = (
+    Figure("keepalive", "keep-alive requests/s", ",.0f", _get("keepalive", "rate")),
+    Figure("newconn", "new connections/s", ",.0f", _get("newconn", "rate")),
+    Figure("bulk1", "bulk, 1 stream, Gbit/s", ".1f", _get("bulk1", "gbit_s")),
+    Figure("bulk4", "bulk, 4 streams, Gbit/s", ".1f", _get("bulk4", "gbit_s")),
+    Figure("setup", "connection setup p50, µs", ",.0f", _get("setup", "p50_us")),
+    Figure(
+        "cpu_req",
+        "proxy CPU per keep-alive request, µs",
+        ".1f",
+        _get("keepalive", "proxy_cpu_us_per_req"),
+        _get("keepalive", "path_cpu_us_per_req"),
+    ),
+    Figure(
+        "cpu_conn",
+        "proxy CPU per new connection, µs",
+        ",.0f",
+        _get("newconn", "proxy_cpu_us_per_req"),
+        _get("newconn", "path_cpu_us_per_req"),
+    ),
+    Figure(
+        "cpu_gib",
+        "proxy CPU per GiB (1 and 4 streams), s",
+        ".2f",
+        lambda s: _per_gib(s, "proxy_cpu_s"),
+        lambda s: _per_gib(s, "path_cpu_s"),
+    ),
+    Figure("rss_start", "RSS after start, MB", ".1f", _mb("rss_start_kib")),
+    Figure("rss_idle", "RSS with the idle connections, MB", ".1f", _mb("idle", "rss_kib")),
+    Figure("kib_idle", "RSS per idle connection, KiB", ".2f", _get("idle", "kib_per_connection")),
+    Figure("processes", "processes", "d", _get("processes")),
+)
+
+
+def _per_gib(sample: dict[str, Any], key: str) -> float | None:
+    runs = [sample.get(f"bulk{n}", {}) for n in (1, 4)]
+    runs = [r for r in runs if "bytes" in r and key in r]
+    if not runs:
+        return None
+    return sum(r[key] for r in runs) / (sum(r["bytes"] for r in runs) / GiB)
+
+
+def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per peer and figure: median, min, max over rounds; ratios of medians to kernel DNAT and
+    to HAProxy; the setup p50 added over DNAT."""
+
+    def stats(values: list[float]) -> dict[str, float] | None:
+        if not values:
+            return None
+        return {
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
+        }
+
+    table: dict[str, dict[str, Any]] = {}
+    for peer, got in samples.items():
+        entry: dict[str, Any] = {}
+        for fig in FIGURES:
+            entry[fig.key] = stats([v for s in got if (v := fig.value(s)) is not None])
+            if fig.versus is not None:
+                entry[f"{fig.key}_path"] = stats(
+                    [v for s in got if (v := fig.versus(s)) is not None]
+                )
+        entry["errors"] = sum(
+            s.get(kind, {}).get("errors", 0) + (1 if "error" in s.get(kind, {}) else 0)
+            for s in got
+            for kind in ("keepalive", "newconn", "bulk1", "bulk4", "setup")
+        )
+        table[peer] = entry
+
+    def median(peer: str, key: str) -> float | None:
+        got = table.get(peer, {}).get(key)
+        return got["median"] if got else None
+
+    for peer, entry in table.items():
+        ratios: dict[str, float] = {}
+        haproxy: dict[str, float] = {}
+        for fig in FIGURES:
+            mine = median(peer, fig.key)
+            key = fig.key if fig.versus is None else f"{fig.key}_path"
+            mine_k, kernel = median(peer, key), median("kernel", key)
+            if mine_k is not None and kernel:
+                ratios[fig.key] = mine_k / kernel
+            other = median("haproxy", fig.key)
+            if mine is not None and other:
+                haproxy[fig.key] = mine / other
+        entry["vs_kernel"] = ratios
+        entry["vs_haproxy"] = haproxy
+        mine, kernel = median(peer, "setup"), median("kernel", "setup")
+        if peer != "kernel" and mine is not None and kernel is not None:
+            entry["setup_added_us"] = mine - kernel
+    return table
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m, a, labels = results["machine"], results["settings"], results["labels"]
+    peers = list(results["peers"])
+    load = results["loadavg"]
+    lines = [
+        "# This proxy and its peers: one Service, one run",
+        "",
+        "Generated by `sudo .venv/bin/python benchmarks/peers.py"
+        + (" --quick" if a["quick"] else "")
+        + "`; every figure is a median over rounds and, in parentheses, a ratio to kernel"
+        " iptables DNAT in the same run.",
+        "",
+        f"- machine: {m['cpu_model']}, {m['cpus']} CPUs ({m['usable_cpus']} usable), Linux"
+        f" {m['kernel']}; everything (client, pods, peers) on this one machine, which other"
+        " work shares",
+        f"- load average (1 min): {load['before']:.2f} before, {load['min']:.2f}-{load['max']:.2f}"
+        f" during, {load['after']:.2f} after",
+        f"- software: Python {m['python']}, uvloop {m['uvloop']}, {m['haproxy']},"
+        f" {m['nginx']}, {m['wrk']}, {m['iperf3']}; this proxy at commit {results['commit']}",
+        f"- load: wrk {a['threads']} threads x {a['connections']} connections x"
+        f" {a['seconds']:g} s; iperf3 {a['bulk_seconds']:g} s per run; {a['setup_count']}"
+        f" sequential new connections for the setup latency; {a['idle']} idle connections;"
+        f" nginx pods: 3 x {a['nginx_workers']} worker(s); {results['rounds_done']} round(s)"
+        f" in {results['elapsed_s']:.0f} s",
+        "",
+        "| figure | " + " | ".join(labels[p] for p in peers) + " |",
+        "|---|" + "---:|" * len(peers),
+    ]
+    for fig in FIGURES:
+        cells = []
+        for peer in peers:
+            entry = results["peers"][peer]
+            st = entry.get(fig.key)
+            if st is None:
+                cells.append("—")
+                continue
+            text = f"{st['median']:{fig.fmt}}" if fig.fmt != "d" else f"{st['median']:.0f}"
+            ratio = entry["vs_kernel"].get(fig.key)
+            if ratio is not None and peer != "kernel":
+                text += f" ({ratio:.2f}x)"
+            cells.append(text)
+        lines.append(f"| {fig.label} | " + " | ".join(cells) + " |")
+    added = [results["peers"][p].get("setup_added_us") for p in peers]
+    lines.append(
+        "| connection setup p50 added over DNAT, µs | "
+        + " | ".join("—" if v is None else f"{v:,.0f}" for v in added)
+        + " |"
+    )
+    lines += [
+        "",
+        "Ratios of the CPU rows compare the whole path's CPU per unit of work (wrk + nginx or"
+        " iperf3 + the peer) with kernel DNAT's, which has no process of its own. RSS is summed"
+        " over the peer's processes.",
+        "",
+        "Ratios to HAProxy (the issue's targets are written against it):",
+        "",
+        "| figure | " + " | ".join(labels[p] for p in peers if p != "kernel") + " |",
+        "|---|" + "---:|" * (len(peers) - 1),
+    ]
+    for fig in FIGURES:
+        if fig.key == "processes":
+            continue
+        cells = []
+        for peer in peers:
+            if peer == "kernel":
+                continue
+            ratio = results["peers"][peer]["vs_haproxy"].get(fig.key)
+            cells.append("—" if ratio is None else f"{ratio:.2f}")
+        lines.append(f"| {fig.label} | " + " | ".join(cells) + " |")
+    errors = {p: results["peers"][p]["errors"] for p in peers if results["peers"][p]["errors"]}
+    lines += [
+        "",
+        f"Failed requests or runs: {errors or 'none'}.",
+        "",
+        f"![ratios to kernel DNAT]({results['name']}-ratios.png)",
+        f"![costs]({results['name']}-costs.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def charts(results: dict[str, Any], out: Path) -> list[Path]:
+    """Two PNGs: throughput and whole-path CPU as ratios to kernel DNAT; the peers' costs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peers, labels = list(results["peers"]), results["labels"]
+    name = results["name"]
+    colors = plt.get_cmap("tab10").colors
+    title = (
+        f"{results['machine']['cpus']} CPUs, Linux {results['machine']['kernel']}, one run,"
+        f" load avg {results['loadavg']['min']:.1f}-{results['loadavg']['max']:.1f}"
+    )
+
+    ratio_figs = [
+        ("keepalive", "keep-alive req/s"),
+        ("newconn", "new conn/s"),
+        ("bulk1", "bulk, 1 stream"),
+        ("bulk4", "bulk, 4 streams"),
+        ("cpu_req", "path CPU / request"),
+        ("cpu_conn", "path CPU / new conn"),
+        ("cpu_gib", "path CPU / GiB"),
+        ("setup", "setup p50"),
+    ]
+    fig, ax = plt.subplots(figsize=(11, 5))
+    width = 0.8 / len(peers)
+    for i, peer in enumerate(peers):
+        values = [results["peers"][peer]["vs_kernel"].get(k, 0.0) for k, _ in ratio_figs]
+        xs = [j + (i - (len(peers) - 1) / 2) * width for j in range(len(ratio_figs))]
+        bars = ax.bar(xs, values, width, label=labels[peer], color=colors[i % len(colors)])
+        ax.bar_label(bars, fmt="%.2f", fontsize=6, rotation=90, padding=2)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(ratio_figs)), [t for _, t in ratio_figs], fontsize=8)
+    ax.set_ylabel("x kernel iptables DNAT")
+    ax.set_title(
+        f"Ratios to kernel DNAT (throughput: higher is better; CPU, latency: lower) — {title}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    first = out / f"{name}-ratios.png"
+    fig.savefig(first, dpi=110)
+    plt.close(fig)
+
+    cost_figs = [
+        ("cpu_req", "proxy CPU per keep-alive request, µs"),
+        ("cpu_conn", "proxy CPU per new connection, µs"),
+        ("cpu_gib", "proxy CPU per GiB, s"),
+        ("setup_added_us", "setup p50 added over DNAT, µs"),
+        ("rss_start", "RSS after start, MB"),
+        ("kib_idle", "RSS per idle connection, KiB"),
+    ]
+    shown = [p for p in peers if p != "kernel"]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
+    for axis, (key, text) in zip(axes.flat, cost_figs, strict=True):
+        values = []
+        for peer in shown:
+            entry = results["peers"][peer]
+            got = entry.get(key)
+            values.append(got if isinstance(got, float) else (got or {}).get("median", 0.0))
+        bars = axis.bar(
+            range(len(shown)),
+            values,
+            color=[colors[(peers.index(p)) % len(colors)] for p in shown],
+        )
+        axis.bar_label(bars, fmt="%.3g", fontsize=7)
+        axis.set_title(text, fontsize=9)
+        axis.set_xticks(range(len(shown)), shown, fontsize=7)
+    fig.suptitle(f"The peers' costs (kernel DNAT has no process) — {title}", fontsize=9)
+    fig.tight_layout()
+    second = out / f"{name}-costs.png"
+    fig.savefig(second, dpi=110)
+    plt.close(fig)
+    return [first, second]
+
+
+def brief(s: dict[str, Any]) -> str:
+    """One line per sample, for progress on stderr."""
+    ka, nc = s["keepalive"], s["newconn"]
+    bulk = "/".join(f"{s[k].get('gbit_s', 0):.1f}" for k in ("bulk1", "bulk4"))
+    proxy = ""
+    if "proxy_cpu_us_per_req" in ka:
+        proxy = (
+            f"; proxy {ka['proxy_cpu_us_per_req']:.1f} µs/req,"
+            f" {nc['proxy_cpu_us_per_req']:.0f} µs/conn,"
+            f" RSS {s['rss_start_kib'] / 1024:.0f} MB ({s['processes']} procs)"
+        )
+        if "idle" in s:
+            proxy += f", {s['idle']['kib_per_connection']:.2f} KiB/idle conn"
+    return (
+        f"{ka['rate']:,.0f} req/s, {nc['rate']:,.0f} conn/s, {bulk} Gbit/s,"
+        f" setup p50 {s['setup']['p50_us']:.0f} µs{proxy}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (about 1 min)")
+    parser.add_argument("--rounds", type=int, help="rounds over all peers (default 2; quick 1)")
+    parser.add_argument("--seconds", type=int, help="per wrk run, whole (default 5; quick 2)")
+    parser.add_argument("--bulk-seconds", type=float, help="per iperf3 run (default 3; quick 1)")
+    parser.add_argument(
+        "--setup-count", type=int, help="new connections timed one by one (1000; quick 200)"
+    )
+    parser.add_argument(
+        "--idle", type=int, help=f"idle connections, at most {MAX_PROXIED} (9000; quick 1000)"
+    )
+    parser.add_argument("--connections", type=int, default=50, help="wrk connections (50)")
+    parser.add_argument("--threads", type=int, default=2, help="wrk threads (default 2)")
+    parser.add_argument("--nginx-workers", type=int, default=1, help="per pod (default 1)")
+    parser.add_argument("--iptables-backend", choices=["restore", "iptc"], default="restore")
+    parser.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help="which peers, comma-separated (kernel, the baseline, is always measured)",
+    )
+    parser.add_argument(
+        "--budget", type=float, default=540, help="seconds; no round starts past it (540)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results", help="output directory"
+    )
+    args = parser.parse_args()
+    quick = args.quick
+    for key, full, short in (
+        ("rounds", 2, 1),
+        ("seconds", 5, 2),
+        ("bulk_seconds", 3.0, 1.0),
+        ("setup_count", 1000, 200),
+        ("idle", 9000, 1000),
+    ):
+        if getattr(args, key) is None:
+            setattr(args, key, short if quick else full)
+    if not 1 <= args.rounds <= 10 or not 1 <= args.seconds <= 60:
+        parser.error("--rounds must be 1..10 and --seconds 1..60")
+    if not 0.5 <= args.bulk_seconds <= 30 or not 10 <= args.setup_count <= 10000:
+        parser.error("--bulk-seconds must be 0.5..30 and --setup-count 10..10000")
+    if not 1 <= args.idle <= MAX_PROXIED or not 1 <= args.connections <= 4000:
+        parser.error(f"--idle must be 1..{MAX_PROXIED} and --connections 1..4000")
+    wanted = {"kernel", *args.peers.split(",")}
+    if wanted - set(PEERS):
+        parser.error(f"unknown peers {sorted(wanted - set(PEERS))}; known: {', '.join(PEERS)}")
+    reason = available() or install_missing(PACKAGES, extra="bench")
+    if reason:
+        print(f"peers: {reason}", file=sys.stderr)
+        return 2
+    # Made after installing: the labels name the versions.
+    peers = [p for p in make_peers(args.iptables_backend) if p.key in wanted]
+    # The idle-connection client holds --idle descriptors itself.
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+    tmp = Path(tempfile.mkdtemp(prefix="kup-peers-"))
+    run = Run(args, tmp, peers)
+    atexit.register(run.close)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sys.exit(1))
+    name = "peers-quick" if quick else "peers"
+    results: dict[str, Any] = {
+        "name": name,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)),
+            "cpu_model": cpu_model(),
+            "kernel": platform.release(),
+            "python": platform.python_version(),
+            "uvloop": uvloop.__version__,
+            "haproxy": " ".join(version("haproxy", "-v").split()[::2][:2]),
+            "nginx": version("nginx", "-v").replace("nginx version: ", ""),
+            "wrk": " ".join(version("wrk", "-v").split()[:2]),
+            "iperf3": version("iperf3", "--version").split(" (")[0],
+            "rlimit_nofile": hard,
+        },
+        "commit": source_commit(),
+        "settings": {
+            k: getattr(args, k)
+            for k in (
+                "quick",
+                "rounds",
+                "seconds",
+                "bulk_seconds",
+                "setup_count",
+                "idle",
+                "connections",
+                "threads",
+                "nginx_workers",
+                "iptables_backend",
+            )
+        },
+        "labels": {p.key: p.label for p in peers},
+        "workers_auto": WORKERS,
+    }
+    load_before = os.getloadavg()[0]
+    samples: dict[str, list[dict[str, Any]]] = {p.key: [] for p in peers}
+    started = time.monotonic()
+    rounds_done = 0
+    try:
+        run.setup()
+        for r in range(args.rounds):
+            elapsed = time.monotonic() - started
+            if r and elapsed + elapsed / r > args.budget:
+                print(f"  round {r + 1} would end past --budget: stopping", file=sys.stderr)
+                break
+            order = peers[r % len(peers) :] + peers[: r % len(peers)]
+            for peer in order:
+                samples[peer.key].append(run.sample(peer))
+                print(
+                    f"  round {r + 1} {peer.key}: {brief(samples[peer.key][-1])}", file=sys.stderr
+                )
+            rounds_done += 1
+    finally:
+        run.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    during = run.loadavg or [load_before]
+    results["loadavg"] = {
+        "before": load_before,
+        "min": min(during),
+        "max": max(during),
+        "after": os.getloadavg()[0],
+        "samples": during,
+    }
+    results["elapsed_s"] = time.monotonic() - started
+    results["rounds_done"] = rounds_done
+    results["peers"] = summarize(samples)
+    results["samples"] = samples
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = markdown(results)
+    (args.out / f"{name}.md").write_text(text)
+    pngs = charts(results, args.out)
+    print(text)
+    print(f"wrote {args.out / name}.md, .json, " + ", ".join(p.name for p in pngs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
