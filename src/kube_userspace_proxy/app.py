@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 
 import uvloop
 
+from kube_userspace_proxy import kubeproxyconfig as kpc
 from kube_userspace_proxy import logs, netutil
-from kube_userspace_proxy.config import ProxyConfig
+from kube_userspace_proxy.config import ProxyConfig, effective_document
 from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.health import ProxyHealth
 from kube_userspace_proxy.metrics import ProxyMetrics
@@ -245,7 +246,7 @@ async def serve(
             health=proxy.health,
             metrics=proxy.metrics,
             debug_state=proxy.proxier.debug_state,
-            configz=lambda: {"kubeproxy.config.k8s.io": config.model_dump(mode="json")},
+            configz=lambda: {kpc.GROUP: effective_document(config)},
             collect=proxy.collect,
         )
         if proxy.workers is not None:

@@ -8,18 +8,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import yaml
+
 from kube_userspace_proxy import __version__, app, demo, logs
 from kube_userspace_proxy.config import (
     DEFAULTS,
     ProxyConfig,
     build_config,
+    effective_document,
     field_doc,
     format_duration,
     parse_duration,
     read_config_file,
+    split_host_port,
 )
 from kube_userspace_proxy.errors import ConfigError, ProxyError
+from kube_userspace_proxy.kubeproxyconfig import (
+    DEFAULT_HEALTHZ_PORT,
+    DEFAULT_METRICS_PORT,
+    with_port,
+)
 from kube_userspace_proxy.portals import cleanup_all
+
+log = logs.get(__name__)
 
 PROG = "kube-userspace-proxy"
 EXIT_USAGE = 2
@@ -44,13 +55,104 @@ def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _bool(text: str) -> bool:
+    """pflag's boolean values: `--flag`, `--flag=true`, `--flag=false` (also 1/0, t/f)."""
+    value = text.strip().lower()
+    if value in {"true", "t", "1"}:
+        return True
+    if value in {"false", "f", "0"}:
+        return False
+    raise argparse.ArgumentTypeError(f"invalid boolean {text!r} (expected true or false)")
+
+
 @dataclass(frozen=True)
 class _Flag:
     flag: str
     field: str
-    kind: str  # str | duration | float | int | csv | choice
+    kind: str  # str | duration | float | int | csv | choice | bool
     unit: str = ""
     choices: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+
+
+# Every other flag of kube-proxy 1.25 to 1.32 (bool: pflag boolean; value: takes one value).
+IGNORED_FLAGS: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "--bind-address-hard-fail",
+            "--profiling",
+            "--init-only",
+            "--masquerade-all",
+            "--iptables-localhost-nodeports",
+            "--ipvs-strict-arp",
+            "--conntrack-tcp-be-liberal",
+            "--windows-service",
+            "--log-json-split-stream",
+            "--log-text-split-stream",
+            "--add-dir-header",
+            "--alsologtostderr",
+            "--logtostderr",
+            "--one-output",
+            "--skip-headers",
+            "--skip-log-headers",
+        ),
+        "bool",
+    ),
+    **dict.fromkeys(
+        (
+            "--feature-gates",
+            "--kube-api-content-type",
+            "--show-hidden-metrics-for-version",
+            "--iptables-masquerade-bit",
+            "--ipvs-sync-period",
+            "--ipvs-min-sync-period",
+            "--ipvs-scheduler",
+            "--ipvs-exclude-cidrs",
+            "--ipvs-tcp-timeout",
+            "--ipvs-tcpfin-timeout",
+            "--ipvs-udp-timeout",
+            "--detect-local-mode",
+            "--pod-bridge-interface",
+            "--pod-interface-name-prefix",
+            "--conntrack-max-per-core",
+            "--conntrack-min",
+            "--conntrack-tcp-timeout-established",
+            "--conntrack-tcp-timeout-close-wait",
+            "--conntrack-udp-timeout",
+            "--conntrack-udp-timeout-stream",
+            "--log-flush-frequency",
+            "--log-json-info-buffer-size",
+            "--log-text-info-buffer-size",
+            "--vmodule",
+            "--log-backtrace-at",
+            "--log-dir",
+            "--log-file",
+            "--log-file-max-size",
+            "--stderrthreshold",
+            "--azure-container-registry-config",
+        ),
+        "value",
+    ),
+}
+# klog's flags (gone from kube-proxy after 1.25): accepted, but kept out of --help.
+_UNLISTED = {
+    "--add-dir-header",
+    "--alsologtostderr",
+    "--logtostderr",
+    "--one-output",
+    "--skip-headers",
+    "--skip-log-headers",
+    "--log-backtrace-at",
+    "--log-dir",
+    "--log-file",
+    "--log-file-max-size",
+    "--stderrthreshold",
+    "--azure-container-registry-config",
+}
+
+
+def _ignored_dest(flag: str) -> str:
+    return "ignored_" + flag[2:].replace("-", "_")
 
 
 _RUN_FLAGS = (
@@ -75,7 +177,9 @@ _RUN_FLAGS = (
     ),
     _Flag("--node-ip", "node_ips", "csv", "IP list"),
     _Flag("--event-loop", "event_loop", "choice", "", ("uvloop", "asyncio")),
-    _Flag("--log-format", "log_format", "choice", "", ("text", "json")),
+    _Flag("--log-format", "log_format", "choice", "", ("text", "json"), ("--logging-format",)),
+    _Flag("--oom-score-adj", "oom_score_adj", "int", "-1000..1000"),
+    _Flag("--metrics-per-service-port", "metrics_per_service_port", "bool", "true|false"),
     _Flag("--shutdown-grace", "shutdown_grace", "duration"),
     _Flag("--workers", "workers", "str", "count or auto"),
 )
@@ -98,6 +202,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         "int": int,
         "csv": _csv,
         "choice": str,
+        "bool": _bool,
     }
     for flag in _RUN_FLAGS:
         unit = "duration, e.g. 250ms or 1m30s" if flag.kind == "duration" else flag.unit
@@ -106,9 +211,13 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         extra = f"{unit}; " if unit else ""
         parser.add_argument(
             flag.flag,
+            *flag.aliases,
             dest=flag.field,
             # List flags take commas and may be repeated: `--node-ip A --node-ip B`.
             action="extend" if flag.kind == "csv" else "store",
+            # Booleans as pflag has them: `--flag` alone means true, `--flag=false` false.
+            nargs="?" if flag.kind == "bool" else None,
+            const=True if flag.kind == "bool" else None,
             type=types[flag.kind],
             choices=flag.choices or None,
             default=None,
@@ -133,15 +242,48 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--proxy-mode",
         default=None,
-        help="Accepted for kube-proxy compatibility; only 'userspace' (or empty) is valid "
+        help="kube-proxy's mode; this proxy is userspace mode, any other value gets a warning "
         "(default: userspace)",
     )
     parser.add_argument(
         "--cleanup",
-        action="store_true",
-        help="Remove every rule and chain this proxy installs, then exit (default: off)",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_bool,
+        metavar="BOOL",
+        help="Remove every rule and chain this proxy installs, then exit (default: false)",
     )
+    parser.add_argument(
+        "--write-config-to",
+        metavar="FILE",
+        help="Write the effective KubeProxyConfiguration (defaults < --config < flags) to FILE "
+        "as YAML and exit (default: none)",
+    )
+    for name, port in (("--healthz-port", DEFAULT_HEALTHZ_PORT), ("--metrics-port", 10249)):
+        parser.add_argument(
+            name,
+            type=int,
+            default=None,
+            metavar="PORT",
+            help=f"Deprecated in kube-proxy: the port of {name[2:-5]} bind address; 0 disables "
+            f"(default: {port})",
+        )
     _add_logging_flags(parser)
+    ignored = parser.add_argument_group(
+        "kube-proxy flags accepted and ignored",
+        "They mean nothing to userspace mode; each one given is named in one warning.",
+    )
+    for name, takes in IGNORED_FLAGS.items():
+        ignored.add_argument(
+            name,
+            dest=_ignored_dest(name),
+            default=None,
+            nargs="?" if takes == "bool" else None,
+            const="true" if takes == "bool" else None,
+            metavar="BOOL" if takes == "bool" else "VALUE",
+            help=argparse.SUPPRESS if name in _UNLISTED else None,
+        )
 
 
 def _add_logging_flags(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +313,8 @@ def make_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="A node-level Kubernetes Service proxy in the style of kube-proxy's "
         "userspace mode, on asyncio + uvloop.",
+        epilog=_flags_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -208,13 +352,75 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _flags_epilog() -> str:
+    """`--help`'s list of kube-proxy flags: applied here, or accepted and ignored."""
+    applied = [f.flag for f in _RUN_FLAGS if f.flag not in _OWN_FLAGS]
+    applied += ["--config", "--cleanup", "--write-config-to", "--proxy-mode (userspace)", "--v"]
+    applied += ["--logging-format"]
+    applied += ["--healthz-port", "--metrics-port"]
+    listed = [f for f in IGNORED_FLAGS if f not in _UNLISTED]
+    return (
+        "kube-proxy's command line works unchanged (`kube-userspace-proxy --config=FILE "
+        "--hostname-override=NAME`, pflag syntax).\n"
+        f"kube-proxy flags applied here:\n{_wrap(sorted(applied))}\n"
+        "kube-proxy flags accepted and ignored (one warning each):\n"
+        f"{_wrap(sorted(listed))}\n"
+        "See `kube-userspace-proxy run --help` for each flag."
+    )
+
+
+def _wrap(words: list[str]) -> str:
+    lines, line = [], " "
+    for word in words:
+        if len(line) + len(word) > 98:
+            lines.append(line)
+            line = " "
+        line += f" {word}"
+    return "\n".join([*lines, line])
+
+
+# Flags of our own (not kube-proxy's), left out of the kube-proxy list in --help.
+_OWN_FLAGS = {
+    "--service-proxy-name",
+    "--iptables-backend",
+    "--node-ip",
+    "--event-loop",
+    "--log-format",
+    "--shutdown-grace",
+    "--workers",
+    "--metrics-per-service-port",
+}
+
+
+def _warn_ignored(args: argparse.Namespace) -> None:
+    for flag in IGNORED_FLAGS:
+        if getattr(args, _ignored_dest(flag), None) is not None:
+            log.warning(
+                "%s is a kube-proxy flag that does not apply to userspace mode; ignored", flag
+            )
+    if args.proxy_mode not in (None, "", "userspace"):
+        log.warning(
+            "--proxy-mode=%s ignored: this proxy implements kube-proxy's userspace mode",
+            args.proxy_mode,
+        )
+
+
 def parse_config(args: argparse.Namespace) -> ProxyConfig:
     """Defaults < --config file < flags; raises ConfigError naming the field."""
-    if args.proxy_mode not in (None, "", "userspace"):
-        raise ConfigError(f"--proxy-mode={args.proxy_mode!r}: only 'userspace' is supported")
+    _warn_ignored(args)
     file_values = read_config_file(args.config) if args.config else {}
     flags = {flag.field: getattr(args, flag.field) for flag in _RUN_FLAGS}
     flags["verbosity"] = args.verbosity
+    # A bare IP gets the default port, as kube-proxy's AppendPortIfNeeded does.
+    for key, port, deprecated in (
+        ("healthz_bind_address", DEFAULT_HEALTHZ_PORT, args.healthz_port),
+        ("metrics_bind_address", DEFAULT_METRICS_PORT, args.metrics_port),
+    ):
+        if flags[key]:
+            flags[key] = with_port(flags[key], port)
+        if deprecated is not None:
+            host, _ = split_host_port(flags[key] or file_values.get(key) or getattr(DEFAULTS, key))
+            flags[key] = "" if deprecated == 0 else with_port(host, deprecated)
     if args.manifests:
         flags["manifests"] = tuple(args.manifests)
     for key in ("nodeport_addresses", "node_ips"):
@@ -247,6 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _print_rules(config)
         if args.cleanup:
             return _cleanup()
+        if args.write_config_to:
+            return _write_config(config, args.write_config_to)
+        set_oom_score_adj(config.oom_score_adj)
         return app.run_loop(app.serve(config), config.event_loop)
     except ConfigError as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
@@ -256,6 +465,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def set_oom_score_adj(value: int | None, path: str = "/proc/self/oom_score_adj") -> bool:
+    """Write kube-proxy's oom_score_adj for this process (None: leave it); False on failure."""
+    if value is None:
+        return True
+    try:
+        with open(path, "w") as handle:
+            handle.write(f"{value}\n")
+    except OSError as exc:
+        # Lowering it needs CAP_SYS_RESOURCE; kube-proxy also only logs this.
+        log.warning("cannot set oom_score_adj to %d (%s); continuing", value, exc.strerror)
+        return False
+    return True
+
+
+def _write_config(config: ProxyConfig, path: str) -> int:
+    document = yaml.safe_dump(effective_document(config), sort_keys=True)
+    try:
+        with open(path, "w") as handle:
+            handle.write(document)
+    except OSError as exc:
+        raise ConfigError(f"--write-config-to {path}: {exc.strerror}") from exc
+    log.info("wrote the effective configuration to %s", path)
+    return 0
 
 
 def _cleanup() -> int:

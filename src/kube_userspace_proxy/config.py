@@ -5,16 +5,18 @@ Durations are written Go-style (`250ms`, `1m30s`) in files and flags alike, as k
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from kube_userspace_proxy import kubeproxyconfig as kpc
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import ConfigError
 
@@ -140,6 +142,12 @@ class ProxyConfig(BaseModel):
     """Seconds open connections may take to finish after SIGTERM/SIGINT."""
     manifests: tuple[str, ...] = ()
     """Manifest files or directories to serve instead of a cluster."""
+    oom_score_adj: int | None = kpc.OOM_SCORE_ADJ
+    """oom_score_adj written to /proc/self/oom_score_adj at start (-1000..1000); None: leave it."""
+    metrics_per_service_port: bool = True
+    """Export per-service-port series (labels namespace, service, port); off for big clusters."""
+    kube_proxy_config: dict[str, Any] = {}
+    """The KubeProxyConfiguration document read with --config, kube-proxy's defaults filled in."""
     workers: str = "auto"
     """Data-plane worker processes: a count, or auto (the CPUs this process may use, at most 4);
     1 serves from the control process itself."""
@@ -157,12 +165,13 @@ class ProxyConfig(BaseModel):
             split_host_port(value)
         return value
 
-    @field_validator("nodeport_addresses")
+    @field_validator("nodeport_addresses", mode="before")
     @classmethod
-    def _check_cidrs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for cidr in value:
+    def _check_cidrs(cls, value: Any) -> tuple[str, ...]:
+        cidrs = expand_nodeport_addresses(tuple(str(v) for v in value or ()))
+        for cidr in cidrs:
             ipaddress.ip_network(cidr, strict=False)
-        return value
+        return cidrs
 
     @field_validator("node_ips")
     @classmethod
@@ -211,6 +220,13 @@ class ProxyConfig(BaseModel):
             return max(1, min(AUTO_WORKERS_MAX, len(os.sched_getaffinity(0))))
         return int(self.workers)
 
+    @field_validator("oom_score_adj")
+    @classmethod
+    def _check_oom(cls, value: int | None) -> int | None:
+        if value is not None and not -1000 <= value <= 1000:
+            raise ValueError("must be within -1000..1000")
+        return value
+
     @field_validator("sync_period")
     @classmethod
     def _positive(cls, value: float) -> float:
@@ -239,8 +255,7 @@ def check_port_range(text: str) -> None:
         )
 
 
-# KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1): the fields we map, and the fields
-# a kube-proxy ConfigMap may carry that mean nothing to userspace mode (accepted, ignored).
+# KubeProxyConfiguration fields applied here: dotted path in the document -> ProxyConfig field.
 _FILE_FIELDS: dict[str, str] = {
     "bindAddress": "bind_address",
     "healthzBindAddress": "healthz_bind_address",
@@ -251,32 +266,16 @@ _FILE_FIELDS: dict[str, str] = {
     "hostnameOverride": "hostname_override",
     "nodePortAddresses": "nodeport_addresses",
     "clusterCIDR": "cluster_cidr",
+    "oomScoreAdj": "oom_score_adj",
+    "iptables.syncPeriod": "sync_period",
+    "iptables.minSyncPeriod": "min_sync_period",
+    "clientConnection.kubeconfig": "kubeconfig",
+    "clientConnection.qps": "kube_api_qps",
+    "clientConnection.burst": "kube_api_burst",
+    "logging.verbosity": "verbosity",
+    "logging.format": "log_format",
 }
-_IGNORED_TOP = {
-    "apiVersion",
-    "kind",
-    "featureGates",
-    "bindAddressHardFail",
-    "enableProfiling",
-    "showHiddenMetricsForVersion",
-    "ipvs",
-    "nftables",
-    "winkernel",
-    "detectLocalMode",
-    "detectLocal",
-    "oomScoreAdj",
-    "conntrack",
-    "logging",
-    "windowsRunAsService",
-    "linux",
-    "mode",
-    "iptables",
-    "clientConnection",
-}
-_IPTABLES_FIELDS = {"syncPeriod", "minSyncPeriod", "masqueradeAll", "masqueradeBit"}
-_IPTABLES_FIELDS |= {"localhostNodePorts"}
-_CLIENT_FIELDS = {"kubeconfig", "qps", "burst", "acceptContentTypes", "contentType"}
-API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
+API_VERSION = kpc.API_VERSION
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -292,71 +291,116 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"--config {path}:{where}: not valid YAML") from exc
     if doc is None:
-        return {}
+        doc = {}
     if not isinstance(doc, Mapping):
         raise ConfigError(f"--config {path}: expected a KubeProxyConfiguration object")
-    return config_from_document(doc, source=str(path))
+    return config_from_document(doc, source=f"--config {path}")
 
 
 def config_from_document(doc: Mapping[str, Any], *, source: str = "config") -> dict[str, Any]:
-    """Map a KubeProxyConfiguration document to ProxyConfig field values."""
+    """Map a KubeProxyConfiguration document to ProxyConfig field values, as kube-proxy reads it.
+
+    Zero values take kube-proxy's defaults; unknown fields and another `mode` are warnings;
+    fields that mean nothing here are logged once. The defaulted document itself is kept under
+    `kube_proxy_config` (what /configz and --write-config-to show).
+    """
 
     def fail(field: str, reason: str) -> ConfigError:
         return ConfigError(f"{source}: field {field}: {reason}")
 
-    kind = doc.get("kind", "KubeProxyConfiguration")
-    if kind != "KubeProxyConfiguration":
-        raise fail("kind", f"expected KubeProxyConfiguration, got {kind!r}")
-    version = doc.get("apiVersion", API_VERSION)
+    kind = doc.get("kind") or kpc.KIND
+    if kind != kpc.KIND:
+        raise fail("kind", f"expected {kpc.KIND}, got {kind!r}")
+    version = doc.get("apiVersion") or API_VERSION
     if version != API_VERSION:
         raise fail("apiVersion", f"expected {API_VERSION}, got {version!r}")
-    mode = doc.get("mode") or ""
-    if mode not in {"", "userspace"}:
-        raise fail(
-            "mode", f"{mode!r} is not supported: this proxy is userspace mode (use '' or userspace)"
-        )
-    out: dict[str, Any] = {}
-    for key, value in doc.items():
-        if key in _FILE_FIELDS:
-            if value in (None, ""):
-                continue
-            name = _FILE_FIELDS[key]
-            if name == "nodeport_addresses":
-                if not isinstance(value, list):
-                    raise fail(key, "expected a list of CIDRs")
-                # kube-proxy >= 1.29 accepts "primary" (the node IPs); here CIDRs only.
-                if "primary" in value:
-                    log.warning(
-                        "%s: nodePortAddresses 'primary' is not supported; give the node's "
-                        "CIDRs instead (NodePorts answer on every local address otherwise)",
-                        source,
-                    )
-                out[name] = tuple(str(v) for v in value if v != "primary")
-            else:
-                out[name] = value
-        elif key not in _IGNORED_TOP:
-            raise fail(key, "unknown field")
-    for section, known, mapping in (
-        (
-            "iptables",
-            _IPTABLES_FIELDS,
-            {"syncPeriod": "sync_period", "minSyncPeriod": "min_sync_period"},
-        ),
-        (
-            "clientConnection",
-            _CLIENT_FIELDS,
-            {"kubeconfig": "kubeconfig", "qps": "kube_api_qps", "burst": "kube_api_burst"},
-        ),
-    ):
-        body = doc.get(section) or {}
-        if not isinstance(body, Mapping):
+    for section, shape in kpc.SCHEMA.items():
+        body = doc.get(section)
+        if isinstance(shape, dict) and body is not None and not isinstance(body, Mapping):
             raise fail(section, "expected an object")
-        for key, value in body.items():
-            if key not in known:
-                raise fail(f"{section}.{key}", "unknown field")
-            if key in mapping and value not in (None, ""):
-                out[mapping[key]] = value
+    known = kpc.strip_unknown(doc, source=source)
+    mode = known.get("mode") or ""
+    if mode not in {"", "userspace"}:
+        log.warning(
+            "%s: mode %r ignored: this proxy implements kube-proxy's userspace mode (Services "
+            "are proxied through local ports and iptables REDIRECT/DNAT rules, not %s rules)",
+            source,
+            mode,
+            mode,
+        )
+    ignored = kpc.not_applicable(known)
+    if ignored:
+        log.info("%s: not applicable in userspace mode, ignored: %s", source, ", ".join(ignored))
+    effective = kpc.set_defaults(known)
+    out: dict[str, Any] = {}
+    for path, name in _FILE_FIELDS.items():
+        value = kpc.get(effective, path)
+        if value is None or value == "":
+            continue
+        if name == "log_format" and value not in {"text", "json"}:
+            log.warning("%s: logging.format %r is not supported; using text", source, value)
+            continue
+        if name == "nodeport_addresses":
+            if not isinstance(value, list):
+                raise fail(path, "expected a list of CIDRs")
+            value = tuple(str(v) for v in value)
+        out[name] = value
+    out["kube_proxy_config"] = effective
     return out
+
+
+def expand_nodeport_addresses(values: Sequence[str]) -> tuple[str, ...]:
+    """kube-proxy's nodePortAddresses keywords as CIDRs: `localhost`, `all`; empty means all.
+
+    `primary` (the Node object's IPs) cannot be expanded before the Node is known: it is dropped
+    with a warning, leaving the other entries (or every local address when none is left).
+    """
+    out: list[str] = []
+    for value in values:
+        if value == "all":
+            return ()
+        if value == "localhost":
+            out += ["127.0.0.0/8", "::1/128"]
+        elif value == "primary":
+            log.warning(
+                "nodePortAddresses 'primary' is not supported; give the node's CIDRs instead "
+                "(NodePorts answer on every local address otherwise)"
+            )
+        else:
+            out.append(value)
+    return tuple(out)
+
+
+def effective_document(config: ProxyConfig) -> dict[str, Any]:
+    """The KubeProxyConfiguration (camelCase, v1alpha1) in force: defaults < file < flags."""
+    doc = copy.deepcopy(config.kube_proxy_config) or kpc.set_defaults({})
+    values: dict[str, Any] = {
+        "bind_address": config.bind_address,
+        "healthz_bind_address": config.healthz_bind_address,
+        "metrics_bind_address": config.metrics_bind_address,
+        "proxy_port_range": config.proxy_port_range,
+        "udp_idle_timeout": format_duration(config.udp_idle_timeout),
+        "config_sync_period": format_duration(config.config_sync_period),
+        "hostname_override": config.hostname_override,
+        "nodeport_addresses": list(config.nodeport_addresses) or None,
+        "cluster_cidr": config.cluster_cidr,
+        "oom_score_adj": config.oom_score_adj,
+        "sync_period": format_duration(config.sync_period),
+        "min_sync_period": format_duration(config.min_sync_period),
+        "kubeconfig": config.kubeconfig,
+        "kube_api_qps": config.kube_api_qps,
+        "kube_api_burst": config.kube_api_burst,
+        "verbosity": config.verbosity,
+        "log_format": config.log_format,
+    }
+    for path, name in _FILE_FIELDS.items():
+        *parents, leaf = path.split(".")
+        node = doc
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = values[name]
+    doc["mode"] = "userspace"
+    return doc
 
 
 def build_config(

@@ -46,11 +46,6 @@ def test_a_bad_value_caught_by_validation_exits_2(capsys: pytest.CaptureFixture[
     assert err.count("\n") == 1 and "bind_address" in err
 
 
-def test_another_proxy_mode_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["run", "--proxy-mode", "ipvs", "--manifests", "x"]) == 2
-    assert "--proxy-mode" in capsys.readouterr().err
-
-
 def test_flags_alone_mean_run() -> None:
     assert cli._argv_with_default_command(["--kubeconfig", "k"]) == ["run", "--kubeconfig", "k"]
     assert cli._argv_with_default_command(["demo"]) == ["demo"]
