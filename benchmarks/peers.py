@@ -2,8 +2,9 @@
 
 The testbed of `kernel_vs_userspace.py` (`testbed.py`: a client pod, a node and three nginx
 pods in network namespaces named with this pid, deleted afterwards) carries the same Service,
-with the same three pods, through five peers, each with its own ClusterIP and client source
-address:
+with the same three pods, through five peers, each with its own ClusterIP and its own
+`--clients` client addresses (8: a node proxies for many pods, and this proxy's workers are
+chosen by client address; the client namespace SNATs its connections to them in turn):
 
   kernel      kube-proxy's iptables mode: DNAT in the node namespace (the baseline)
   proxy-1     `kube-userspace-proxy run --workers 1` (its own REDIRECT rules)
@@ -39,7 +40,8 @@ nginx-light, libnginx-mod-stream, wrk, iperf3; pip: the `bench` extra, matplotli
 minutes; rounds that would end after `--budget` seconds are not started.
 
     sudo .venv/bin/python benchmarks/peers.py [--quick] [--rounds 2] [--seconds 5]
-        [--bulk-seconds 3] [--setup-count 1000] [--idle 9000] [--peers kernel,proxy-1,...]
+        [--bulk-seconds 3] [--setup-count 1000] [--idle 9000] [--clients 8]
+        [--peers kernel,proxy-1,...] [--budget 540] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +84,7 @@ from testbed import (
 )
 
 from kube_userspace_proxy.config import ProxyConfig
+from kube_userspace_proxy.dataplane.steering import worker_of
 from tests.integration.conftest import Proxy, service, write_manifest
 from tests.integration.netns import POD_PORT, PODS, available, stop, wait_for
 
@@ -136,7 +140,7 @@ class Peer:
     label: str
     http: str
     bulk: str
-    src: str
+    sources: list[str]
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self, bed: Testbed, tmp: Path) -> None:
@@ -262,45 +266,28 @@ def wait_listening(
     wait_for(up, f"listening on {ports}")
 
 
-def make_peers(backend: str) -> list[Peer]:
+def make_peers(backend: str, clients: int) -> list[Peer]:
+    """The peers; peer i has ClusterIPs 10.96.0.1i (web) and .2i (bulk) and `clients` client
+    addresses from 10.244.1.(32 + 8i) up."""
     haproxy = version("haproxy", "-v").split(" - ")[0].replace("HAProxy version ", "HAProxy ")
     nginx = version("nginx", "-v").replace("nginx version: nginx/", "nginx ")
+
+    def at(i: int) -> tuple[str, str, list[str]]:
+        sources = [f"10.244.1.{32 + 8 * i + j}" for j in range(clients)]
+        return f"10.96.0.{10 + i}", f"10.96.0.{20 + i}", sources
+
     return [
-        Peer("kernel", "kernel iptables DNAT", "10.96.0.10", "10.96.0.20", "10.244.1.11"),
-        ThisProxy(
-            "proxy-1",
-            "this proxy, --workers 1",
-            "10.96.0.11",
-            "10.96.0.21",
-            "10.244.1.12",
-            workers="1",
-            backend=backend,
-        ),
+        Peer("kernel", "kernel iptables DNAT", *at(0)),
+        ThisProxy("proxy-1", "this proxy, --workers 1", *at(1), workers="1", backend=backend),
         ThisProxy(
             "proxy-auto",
             f"this proxy, --workers auto ({WORKERS})",
-            "10.96.0.12",
-            "10.96.0.22",
-            "10.244.1.13",
+            *at(2),
             workers="auto",
             backend=backend,
         ),
-        Haproxy(
-            "haproxy",
-            f"{haproxy.split('-')[0]}, nbthread {WORKERS}",
-            "10.96.0.13",
-            "10.96.0.23",
-            "10.244.1.14",
-            threads=WORKERS,
-        ),
-        NginxStream(
-            "nginx",
-            f"{nginx} stream, {WORKERS} workers",
-            "10.96.0.14",
-            "10.96.0.24",
-            "10.244.1.15",
-            workers=WORKERS,
-        ),
+        Haproxy("haproxy", f"{haproxy.split('-')[0]}, nbthread {WORKERS}", *at(3), threads=WORKERS),
+        NginxStream("nginx", f"{nginx} stream, {WORKERS} workers", *at(4), workers=WORKERS),
     ]
 
 
@@ -334,7 +321,7 @@ class Run:
         bed.setup()
         bed.started_servers()
         for peer in self.peers:
-            bed.client_route(peer.src, peer.http, peer.bulk)
+            bed.client_sources(peer.sources, peer.http, peer.bulk)
         kernel = self.peers[0]
         bed.kernel_mode(kernel.http, kernel.bulk)
         bed.restore(redirect_rules(self.peers), "redirect")
@@ -364,6 +351,7 @@ class Run:
             if pids:
                 out["processes"] = len(pids)
                 out["rss_start_kib"], out["pss_start_kib"] = memory(pids)
+                out["rss_start_by_process_kib"] = [memory_kib(pid)[0] for pid in pids]
             url = f"http://{peer.http}:{HTTP_PORT}/"
             load = {"threads": a.threads, "connections": a.connections}
             bed.wrk(url, 1, **load, close=False)  # warm-up
@@ -587,6 +575,12 @@ def markdown(results: dict[str, Any]) -> str:
         f"- load: wrk {a['threads']} threads x {a['connections']} connections x"
         f" {a['seconds']:g} s; iperf3 {a['bulk_seconds']:g} s per run; {a['setup_count']}"
         f" sequential new connections for the setup latency; {a['idle']} idle connections;"
+        f" {a['clients']} client addresses per peer"
+        + "".join(
+            f" ({key}: {'/'.join(str(n) for _, n in sorted(spread.items()))} per worker)"
+            for key, spread in results["client_workers"].items()
+        )
+        + ";"
         f" nginx pods: 3 x {a['nginx_workers']} worker(s); {results['rounds_done']} round(s)"
         f" in {results['elapsed_s']:.0f} s",
         "",
@@ -612,6 +606,17 @@ def markdown(results: dict[str, Any]) -> str:
         "| connection setup p50 added over DNAT, µs | "
         + " | ".join("—" if v is None else f"{v:,.0f}" for v in added)
         + " |"
+    )
+    by_process = []
+    for peer in peers:
+        got = (
+            results["samples"][peer][0].get("rss_start_by_process_kib")
+            if results["samples"][peer]
+            else None
+        )
+        by_process.append(" + ".join(f"{kib / 1024:.0f}" for kib in got) if got else "—")
+    lines.append(
+        "| RSS after start by process (first round), MB | " + " | ".join(by_process) + " |"
     )
     lines += [
         "",
@@ -754,6 +759,9 @@ def main() -> int:
     parser.add_argument(
         "--idle", type=int, help=f"idle connections, at most {MAX_PROXIED} (9000; quick 1000)"
     )
+    parser.add_argument(
+        "--clients", type=int, default=8, help="client addresses per peer, 1..8 (default 8)"
+    )
     parser.add_argument("--connections", type=int, default=50, help="wrk connections (50)")
     parser.add_argument("--threads", type=int, default=2, help="wrk threads (default 2)")
     parser.add_argument("--nginx-workers", type=int, default=1, help="per pod (default 1)")
@@ -784,6 +792,8 @@ def main() -> int:
         parser.error("--rounds must be 1..10 and --seconds 1..60")
     if not 0.5 <= args.bulk_seconds <= 30 or not 10 <= args.setup_count <= 10000:
         parser.error("--bulk-seconds must be 0.5..30 and --setup-count 10..10000")
+    if not 1 <= args.clients <= 8:
+        parser.error("--clients must be 1..8")
     if not 1 <= args.idle <= MAX_PROXIED or not 1 <= args.connections <= 4000:
         parser.error(f"--idle must be 1..{MAX_PROXIED} and --connections 1..4000")
     wanted = {"kernel", *args.peers.split(",")}
@@ -794,7 +804,7 @@ def main() -> int:
         print(f"peers: {reason}", file=sys.stderr)
         return 2
     # Made after installing: the labels name the versions.
-    peers = [p for p in make_peers(args.iptables_backend) if p.key in wanted]
+    peers = [p for p in make_peers(args.iptables_backend, args.clients) if p.key in wanted]
     # The idle-connection client holds --idle descriptors itself.
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -830,6 +840,7 @@ def main() -> int:
                 "bulk_seconds",
                 "setup_count",
                 "idle",
+                "clients",
                 "connections",
                 "threads",
                 "nginx_workers",
@@ -838,6 +849,12 @@ def main() -> int:
         },
         "labels": {p.key: p.label for p in peers},
         "workers_auto": WORKERS,
+        # Which worker each client address of the proxy's peers is steered to.
+        "client_workers": {
+            p.key: dict(Counter(worker_of(src, WORKERS) for src in p.sources))
+            for p in peers
+            if isinstance(p, ThisProxy) and p.workers != "1"
+        },
     }
     load_before = os.getloadavg()[0]
     samples: dict[str, list[dict[str, Any]]] = {p.key: [] for p in peers}

@@ -404,12 +404,34 @@ class Testbed:
         for dst in dict.fromkeys(destinations):
             self.client.ip("route", "add", f"{dst}/32", "via", NODE_GATEWAY, "src", src)
 
-    def restore(self, rules: str, name: str) -> None:
-        """Add nat rules in the node namespace (iptables-restore --noflush)."""
+    def client_sources(self, sources: list[str], *destinations: str) -> None:
+        """Like `client_route`, from several addresses: connections to `destinations` take
+        them in turn (SNAT in the client namespace, `-m statistic --mode nth`), as the many
+        client pods of a node would, so that whatever steers by client address can spread."""
+        self.client_route(sources[0], *destinations)
+        if len(sources) == 1:
+            return
+        chain = f"SPREAD-{sources[0].replace('.', '-')}"
+        lines = ["*nat", f":{chain} - [0:0]"]
+        for dst in dict.fromkeys(destinations):
+            lines.append(f"-A POSTROUTING -d {dst}/32 -p tcp -j {chain}")
+        for i, src in enumerate(sources):
+            if i:
+                self.client.ip("addr", "add", f"{src}/24", "dev", "eth0")
+            # Each rule sees the connections the ones before it left: 1/n, 1/(n-1), ... 1/1.
+            lines.append(
+                f"-A {chain} -m statistic --mode nth --every {len(sources) - i} --packet 0"
+                f" -j SNAT --to-source {src}"
+            )
+        self.restore("\n".join([*lines, "COMMIT", ""]), chain, self.client)
+        self.client.run("sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_timeout_time_wait=10")
+
+    def restore(self, rules: str, name: str, ns: Netns | None = None) -> None:
+        """Add nat rules in the node namespace, or `ns` (iptables-restore --noflush)."""
         path = self.tmp / f"{name}.rules"
         path.write_text(rules)
         restore = IPTABLES[self.iptables_backend] + "-restore"
-        self.node.run(restore, "--noflush", "-w", "5", str(path))
+        (ns or self.node).run(restore, "--noflush", "-w", "5", str(path))
 
     def kernel_mode(self, http_ip: str, bulk_ip: str) -> None:
         """kube-proxy iptables mode for both Services, and the short conntrack TIME_WAIT."""
