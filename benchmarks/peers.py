@@ -36,10 +36,10 @@ whole path instead (wrk + nginx or iperf3 + the peer). The figures are medians o
 every figure is also a ratio to kernel DNAT (and to HAProxy). Output: `peers.md` (machine,
 settings, table), `peers.json` (every sample), `peers-ratios.png` and `peers-costs.png` in
 `--out` (quick runs: `peers-quick.*`). Needs root; installs what is missing (apt: haproxy,
-nginx-light, libnginx-mod-stream, wrk, iperf3; pip: the `bench` extra, matplotlib). About 5
-minutes; rounds that would end after `--budget` seconds are not started.
+nginx-light, libnginx-mod-stream, wrk, iperf3; pip: the `bench` extra, matplotlib). About 4-6
+minutes (2 CPUs, busy); a round that would end after `--budget` seconds is not started.
 
-    sudo .venv/bin/python benchmarks/peers.py [--quick] [--rounds 2] [--seconds 5]
+    sudo .venv/bin/python benchmarks/peers.py [--quick] [--rounds 3] [--seconds 5]
         [--bulk-seconds 3] [--setup-count 1000] [--idle 9000] [--clients 8]
         [--peers kernel,proxy-1,...] [--budget 540] [--out benchmarks/results]
 """
@@ -663,7 +663,8 @@ def charts(results: dict[str, Any], out: Path) -> list[Path]:
     colors = plt.get_cmap("tab10").colors
     title = (
         f"{results['machine']['cpus']} CPUs, Linux {results['machine']['kernel']}, one run,"
-        f" load avg {results['loadavg']['min']:.1f}-{results['loadavg']['max']:.1f}"
+        f" medians of {results['rounds_done']} round(s), load avg"
+        f" {results['loadavg']['min']:.1f}-{results['loadavg']['max']:.1f}"
     )
 
     ratio_figs = [
@@ -750,7 +751,7 @@ def brief(s: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run (about 1 min)")
-    parser.add_argument("--rounds", type=int, help="rounds over all peers (default 2; quick 1)")
+    parser.add_argument("--rounds", type=int, help="rounds over all peers (default 3; quick 1)")
     parser.add_argument("--seconds", type=int, help="per wrk run, whole (default 5; quick 2)")
     parser.add_argument("--bulk-seconds", type=float, help="per iperf3 run (default 3; quick 1)")
     parser.add_argument(
@@ -780,7 +781,7 @@ def main() -> int:
     args = parser.parse_args()
     quick = args.quick
     for key, full, short in (
-        ("rounds", 2, 1),
+        ("rounds", 3, 1),
         ("seconds", 5, 2),
         ("bulk_seconds", 3.0, 1.0),
         ("setup_count", 1000, 200),
