@@ -35,6 +35,7 @@ from kube_userspace_proxy.proxier import (
     Proxier,
     local_addresses_in,
 )
+from kube_userspace_proxy.servicehealth import ServiceHealthServers
 from kube_userspace_proxy.sources.kube import KubeSource, load_client_configuration
 from kube_userspace_proxy.sources.manifests import ManifestSource
 from kube_userspace_proxy.state import ClusterState
@@ -109,6 +110,7 @@ class Proxy:
             allocator, node_port_addresses=self._node_port_addresses, dataplane=dataplane
         )
         self.metrics = ProxyMetrics(self.proxier.port_stats, self.proxier.open_ports)
+        self.service_health = ServiceHealthServers(self.health, self._node_port_addresses)
         backend_kind = config.iptables_backend
         if backend_kind == "auto" and os.geteuid() != 0:
             log.warning(
@@ -161,6 +163,7 @@ class Proxy:
         self.node_ips = snapshot.node_ips
         self.health.set_node_eligible(state.node_eligible)
         await self.proxier.sync(snapshot)
+        await self.service_health.sync(snapshot)
         metrics = self.metrics
         metrics.add_changes(snapshot.service_changes, snapshot.endpoint_changes)
         metrics.set_pending(state.pending_service_changes, state.pending_endpoint_changes)
@@ -271,6 +274,7 @@ async def serve(
     log.info("stopping: no new connections; open ones get %.1fs", config.shutdown_grace)
     if proxy.workers is not None:
         await proxy.workers.shutdown(config.shutdown_grace)
+    await proxy.service_health.close()
     await proxy.proxier.shutdown(config.shutdown_grace)
     if proxy.ops is not None:
         await proxy.ops.close()

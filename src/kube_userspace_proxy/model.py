@@ -61,6 +61,8 @@ class ServicePortInfo:
     affinity_timeout_seconds: int = DEFAULT_AFFINITY_TIMEOUT_SECONDS
     internal_traffic_local: bool = False
     external_traffic_local: bool = False
+    health_check_node_port: int = 0
+    """spec.healthCheckNodePort of a LoadBalancer Service with externalTrafficPolicy Local."""
 
     @property
     def protocol(self) -> Protocol:

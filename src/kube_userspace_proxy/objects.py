@@ -226,6 +226,10 @@ def parse_service(
     external = kind in _EXTERNALLY_ACCESSIBLE_TYPES or bool(external_ips)
     # As kube-proxy: externalTrafficPolicy only means something for externally reachable ones.
     external_local = _policy(spec, "externalTrafficPolicy") and external
+    # kube-proxy serves a health check only for LoadBalancer Services with the Local policy.
+    health_port = 0
+    if kind == "LoadBalancer" and external_local and spec.get("healthCheckNodePort"):
+        health_port = _port(spec["healthCheckNodePort"], "spec.healthCheckNodePort")
 
     infos: list[ServicePortInfo] = []
     sctp: list[ServicePortName] = []
@@ -260,6 +264,7 @@ def parse_service(
                 affinity_timeout_seconds=timeout,
                 internal_traffic_local=internal_local,
                 external_traffic_local=external_local,
+                health_check_node_port=health_port,
             )
         )
     return tuple(infos), tuple(sctp)

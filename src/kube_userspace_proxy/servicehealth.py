@@ -1,0 +1,154 @@
+"""kube-proxy's per-Service health checks on `healthCheckNodePort` (pkg/proxy/healthcheck).
+
+A LoadBalancer Service with `externalTrafficPolicy: Local` names a node port on which every
+node proxy answers whether it has local endpoints: cloud load balancers send traffic only to
+nodes that answer 200. Every path answers, with kube-proxy's JSON body:
+`{"service": {"namespace", "name"}, "localEndpoints": N, "serviceProxyHealthy": bool}`;
+200 while N > 0 and the proxy is healthy, else 503.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from kube_userspace_proxy import logs
+from kube_userspace_proxy.health import HTTP_OK, HTTP_UNAVAILABLE, ProxyHealth
+from kube_userspace_proxy.model import Snapshot
+
+log = logs.get(__name__)
+
+ServiceName = tuple[str, str]  # (namespace, name)
+
+
+@dataclass
+class _Instance:
+    """One Service's health check: its port, its local endpoint count, its HTTP runners."""
+
+    name: ServiceName
+    port: int
+    endpoints: int = 0
+    runners: list[web.AppRunner] = field(default_factory=list)
+
+
+def wanted(snapshot: Snapshot) -> dict[ServiceName, tuple[int, int]]:
+    """(namespace, name) -> (healthCheckNodePort, ready endpoints on this node), per Service."""
+    out: dict[ServiceName, tuple[int, int]] = {}
+    local: dict[ServiceName, set[str]] = {}
+    for port_name, info in snapshot.services.items():
+        if not info.health_check_node_port:
+            continue
+        key = (port_name.namespace, port_name.name)
+        ips = local.setdefault(key, set())
+        for endpoint in snapshot.endpoints_of(port_name):
+            if endpoint.ready and endpoint.node_name == snapshot.node_name:
+                ips.add(endpoint.ip)
+        out[key] = (info.health_check_node_port, 0)
+    return {key: (port, len(local[key])) for key, (port, _) in out.items()}
+
+
+class ServiceHealthServers:
+    """Opens, updates and closes the health-check servers to match each sync's snapshot."""
+
+    def __init__(self, health: ProxyHealth, addresses: Callable[[], Sequence[str]]) -> None:
+        self._health = health
+        self._addresses = addresses
+        self._services: dict[ServiceName, _Instance] = {}
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """`namespace/name` -> the health-check port being served."""
+        return {f"{ns}/{name}": inst.port for (ns, name), inst in self._services.items()}
+
+    async def sync(self, snapshot: Snapshot) -> None:
+        """Serve exactly the Services of `snapshot` that want a health check."""
+        want = wanted(snapshot)
+        for key, old in list(self._services.items()):
+            if want.get(key, (None,))[0] != old.port:
+                log.info("closing health check of %s/%s on port %d", *key, old.port)
+                del self._services[key]
+                await _close(old)
+        for key, (port, count) in want.items():
+            instance = self._services.get(key)
+            if instance is None:
+                instance = _Instance(key, port)
+                try:
+                    await self._open(instance)
+                except OSError as exc:
+                    # As kube-proxy: log it and try again at the next sync.
+                    log.error(
+                        "cannot serve the health check of %s/%s on port %d: %s",
+                        *key,
+                        port,
+                        exc.strerror or exc,
+                    )
+                    continue
+                self._services[key] = instance
+                log.info("serving the health check of %s/%s on port %d", *key, port)
+            instance.endpoints = count
+
+    async def close(self) -> None:
+        """Close every health-check server."""
+        services, self._services = self._services, {}
+        for instance in services.values():
+            await _close(instance)
+
+    async def _open(self, instance: _Instance) -> None:
+        try:
+            for address in self._addresses():
+                sock = _listen(address, instance.port)
+                runner = web.AppRunner(self._app(instance), access_log=None, shutdown_timeout=0.5)
+                await runner.setup()
+                instance.runners.append(runner)
+                await web.SockSite(runner, sock).start()
+        except BaseException:
+            await _close(instance)
+            raise
+
+    def _app(self, instance: _Instance) -> web.Application:
+        namespace, name = instance.name
+
+        async def answer(_: web.Request) -> web.Response:
+            healthy = self._health.is_healthy()
+            count = instance.endpoints
+            body = {
+                "service": {"namespace": namespace, "name": name},
+                "localEndpoints": count,
+                "serviceProxyHealthy": healthy,
+            }
+            return web.Response(
+                text=json.dumps(body),
+                status=HTTP_OK if count and healthy else HTTP_UNAVAILABLE,
+                content_type="application/json",
+                headers={"X-Content-Type-Options": "nosniff"},
+            )
+
+        app = web.Application()
+        app.router.add_route("GET", "/{tail:.*}", answer)
+        return app
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+        sock.listen(64)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def _close(instance: _Instance) -> None:
+    runners, instance.runners = instance.runners, []
+    for runner in runners:
+        await runner.cleanup()
