@@ -571,7 +571,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"- load average (1 min): {load['before']:.2f} before, {load['min']:.2f}-{load['max']:.2f}"
         f" during, {load['after']:.2f} after",
         f"- software: Python {m['python']}, uvloop {m['uvloop']}, {m['haproxy']},"
-        f" {m['nginx']}, {m['wrk']}, {m['iperf3']}; this proxy at commit {results['commit']}",
+        f" {m['nginx']}, {m['wrk']}, {m['iperf3']}; this proxy's src/ at commit"
+        f" {results['commit']}",
         f"- load: wrk {a['threads']} threads x {a['connections']} connections x"
         f" {a['seconds']:g} s; iperf3 {a['bulk_seconds']:g} s per run; {a['setup_count']}"
         f" sequential new connections for the setup latency; {a['idle']} idle connections;"

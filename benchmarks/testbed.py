@@ -230,9 +230,10 @@ def cpu_model() -> str:
 
 
 def source_commit() -> str:
-    """The checkout's commit, with "+dirty" when src/ has uncommitted changes."""
+    """The last commit that changed src/ (what was measured; it survives a rebase of commits
+    that only add results), with "+dirty" when src/ has uncommitted changes."""
     git = ["git", "-C", str(ROOT)]
-    head = version(*git, "rev-parse", "--short", "HEAD")
+    head = version(*git, "log", "-1", "--format=%h", "--", "src")
     dirty = version(*git, "status", "--porcelain", "--", "src") not in ("", "?")
     return head + ("+dirty" if dirty else "")
 
