@@ -35,7 +35,7 @@ from kube_userspace_proxy.proxier import (
     Proxier,
     local_addresses_in,
 )
-from kube_userspace_proxy.servicehealth import ServiceHealthServers
+from kube_userspace_proxy.servicehealth import ServiceHealthServers, no_local_endpoints
 from kube_userspace_proxy.sources.kube import KubeSource, load_client_configuration
 from kube_userspace_proxy.sources.manifests import ManifestSource
 from kube_userspace_proxy.state import ClusterState
@@ -73,6 +73,8 @@ class _CountingRules:
         except Exception:
             self._metrics.restore_failure()
             raise
+        finally:
+            self._metrics.set_iptables_rules(self._portals.rule_counts())
 
 
 class Proxy:
@@ -109,7 +111,11 @@ class Proxy:
         self.proxier = Proxier(
             allocator, node_port_addresses=self._node_port_addresses, dataplane=dataplane
         )
-        self.metrics = ProxyMetrics(self.proxier.port_stats, self.proxier.open_ports)
+        self.metrics = ProxyMetrics(
+            self.proxier.port_stats,
+            self.proxier.open_ports,
+            per_service_port=config.metrics_per_service_port,
+        )
         self.service_health = ServiceHealthServers(self.health, self._node_port_addresses)
         backend_kind = config.iptables_backend
         if backend_kind == "auto" and os.geteuid() != 0:
@@ -164,6 +170,7 @@ class Proxy:
         self.health.set_node_eligible(state.node_eligible)
         await self.proxier.sync(snapshot)
         await self.service_health.sync(snapshot)
+        self.metrics.set_no_local_endpoints(*no_local_endpoints(snapshot))
         metrics = self.metrics
         metrics.add_changes(snapshot.service_changes, snapshot.endpoint_changes)
         metrics.set_pending(state.pending_service_changes, state.pending_endpoint_changes)

@@ -176,8 +176,18 @@ def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
+PORT_LABELS = ("namespace", "service", "port", "service_port", "protocol")
+"""Labels of every per-service-port series: kube-state-metrics' namespace and service (for
+joins), the port's name, and kube-proxy's `ns/name:port` with the protocol."""
+
+
+def _port_label_values(name: ServicePortName) -> list[str]:
+    return [name.namespace, name.name, name.port, str(name), name.protocol.value]
+
+
 def _port_labels(name: ServicePortName) -> str:
-    return f'service_port="{_escape(str(name))}",protocol="{name.protocol.value}"'
+    values = _port_label_values(name)
+    return ",".join(f'{k}="{_escape(v)}"' for k, v in zip(PORT_LABELS, values, strict=True))
 
 
 def _exponential(start: float, factor: float, count: int) -> list[float]:
@@ -203,13 +213,16 @@ class _PortCollector(Collector):
         return self._families(Capture({}, 0))
 
     def collect(self) -> Iterable[Metric]:
-        return self._families(self._owner.capture())
+        captured = self._owner.capture()
+        if not self._owner.per_service_port:
+            captured = Capture({}, captured.proxy_ports)
+        return self._families(captured)
 
     @staticmethod
     def _families(captured: Capture) -> list[Metric]:
         families: list[Metric] = []
         for fam in PORT_FAMILIES:
-            labels = ["service_port", "protocol"] + ([fam.extra_label] if fam.extra_label else [])
+            labels = [*PORT_LABELS] + ([fam.extra_label] if fam.extra_label else [])
             metric: CounterMetricFamily | GaugeMetricFamily
             if fam.kind == "counter":
                 metric = CounterMetricFamily(fam.name, fam.help, labels=labels)
@@ -219,7 +232,7 @@ class _PortCollector(Collector):
                 if fam.protocol is not None and name.protocol is not fam.protocol:
                     continue
                 for extra, field in fam.series:
-                    values = [str(name), name.protocol.value] + ([extra] if extra else [])
+                    values = _port_label_values(name) + ([extra] if extra else [])
                     metric.add_metric(values, row[FIELDS.index(field)])
             families.append(metric)
         ports = GaugeMetricFamily(PROXY_PORTS, _PROXY_PORTS_HELP)
@@ -242,7 +255,10 @@ class ProxyMetrics:
         *,
         clock: Callable[[], float] = time.time,
         process_metrics: bool = True,
+        per_service_port: bool = True,
     ) -> None:
+        self.per_service_port = per_service_port
+        """False: the per-service-port families are left out (`--metrics-per-service-port`)."""
         self._port_stats = port_stats
         self._proxy_ports = proxy_ports
         self._clock = clock
@@ -311,6 +327,20 @@ class ProxyMetrics:
             ["code"],
             registry=base,
         )
+        self._no_local = Gauge(
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "Number of service ports with a Local traffic policy and no local endpoints",
+            ["traffic_policy"],
+            registry=base,
+        )
+        for policy in ("internal", "external"):
+            self._no_local.labels(policy).set(0)
+        self._iptables_rules = Gauge(
+            "kubeproxy_sync_proxy_rules_iptables_total",
+            "Number of iptables rules the proxy has installed, per table",
+            ["table"],
+            registry=base,
+        )
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(base)
         self.registry.register(_PortCollector(self))
@@ -341,6 +371,16 @@ class ProxyMetrics:
     def network_programming(self, seconds: float) -> None:
         """Time from an endpoint change (its trigger time) to the sync that applied it."""
         self._programming.observe(max(seconds, 0.0))
+
+    def set_no_local_endpoints(self, internal: int, external: int) -> None:
+        """Service ports whose Local policy found endpoints, but none on this node."""
+        self._no_local.labels("internal").set(internal)
+        self._no_local.labels("external").set(external)
+
+    def set_iptables_rules(self, per_table: dict[str, int]) -> None:
+        """Rules of ours in each table after a commit (tables not named keep their value)."""
+        for table, count in per_table.items():
+            self._iptables_rules.labels(table).set(count)
 
     def restore_failure(self) -> None:
         """Applying iptables rules failed."""
@@ -377,6 +417,8 @@ class ProxyMetrics:
 
     def render_ports(self, captured: Capture) -> Iterator[bytes]:
         """The per-port families, one chunk each, so a caller on the loop can yield between."""
+        if not self.per_service_port:
+            captured = Capture({}, captured.proxy_ports)
         names = tuple(captured.rows)
         layout = self._layout
         if layout.names != names:  # Services came or went: lay the text out again

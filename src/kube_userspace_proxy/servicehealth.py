@@ -51,6 +51,21 @@ def wanted(snapshot: Snapshot) -> dict[ServiceName, tuple[int, int]]:
     return {key: (port, len(local[key])) for key, (port, _) in out.items()}
 
 
+def no_local_endpoints(snapshot: Snapshot) -> tuple[int, int]:
+    """(internal, external): service ports whose Local traffic policy finds ready endpoints,
+    but none on this node (kube-proxy's `..._no_local_endpoints_total` by traffic_policy)."""
+    internal = external = 0
+    for name, info in snapshot.services.items():
+        if not (info.internal_traffic_local or info.external_traffic_local):
+            continue
+        ready = [e for e in snapshot.endpoints_of(name) if e.ready]
+        if not ready or any(e.node_name == snapshot.node_name for e in ready):
+            continue
+        internal += info.internal_traffic_local
+        external += info.external_traffic_local
+    return internal, external
+
+
 class ServiceHealthServers:
     """Opens, updates and closes the health-check servers to match each sync's snapshot."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kube_userspace_proxy.metrics import sample_value
 from tests.integration.conftest import (
     BACKENDS,
     PROXY,
@@ -185,3 +187,20 @@ def test_nodeport_addresses_limit_which_local_addresses_answer(
     client = proxy.topo.client
     wait_for(lambda: client.ask("tcp", "10.244.1.1", 30080)[0] in PODS, "NodePort on 10.244.1.1")
     assert client.ask("tcp", NODE_IP, 30080) == ["refused"]
+
+
+def test_iptables_total_counts_the_rules_in_our_chains(proxy_factory: Callable[..., Proxy]) -> None:
+    # The node namespace has a loopback of its own, so the usual metrics port is free there.
+    proxy = proxy_factory(STANDARD, "--metrics-bind-address", "127.0.0.1:10249")
+    proxy.wait_rules(*COMMENTS)
+    fetch = (
+        "import urllib.request as u;"
+        "print(u.urlopen('http://127.0.0.1:10249/metrics', timeout=5).read().decode())"
+    )
+
+    def scraped() -> float | None:
+        text = proxy.topo.node.run(sys.executable, "-c", fetch)
+        return sample_value(text, "kubeproxy_sync_proxy_rules_iptables_total", {"table": "nat"})
+
+    ours = [r for r in proxy.rules() if re.match(r"-A KUBE-(PORTALS|NODEPORT)-", r)]
+    wait_for(lambda: scraped() == len(ours), f"iptables_total == {len(ours)} rules")

@@ -208,6 +208,14 @@ class Portals:
             if errors:
                 raise errors[0]
 
+    def rule_counts(self) -> dict[str, int]:
+        """Rules in our chains after the last commit, per table (both families summed)."""
+        counts: dict[str, int] = {}
+        for (_, table), applied in self._applied.items():
+            total = sum(len(rules) for rules in applied.chains.values())
+            counts[table] = counts.get(table, 0) + total
+        return counts
+
     def replace_all(self, ports: Sequence[ProxiedPort]) -> None:
         """Forget what was applied and replace our chains wholesale."""
         with self._lock:

@@ -1,0 +1,108 @@
+"""Metrics an operator already graphs, scraped over real HTTP from a proxy following the fake."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import aiohttp
+
+from kube_userspace_proxy.app import Proxy
+from kube_userspace_proxy.metrics import iter_samples, sample_value
+from kube_userspace_proxy.model import ServicePortName
+from tests.control.conftest import NODE, endpoint_slice, eventually, service
+from tests.control.test_kube_end_to_end import kube_config
+from tests.fakes.apiserver import FakeApiServer
+from tests.loopback.proxyrun import ask, running_proxy, start_named_backends
+
+T = TypeVar("T")
+
+
+async def scrape(proxy: Proxy) -> str:
+    assert proxy.ops is not None
+    url = f"http://127.0.0.1:{proxy.ops.metrics_port}/metrics"
+    async with aiohttp.ClientSession() as http, http.get(url) as resp:
+        assert resp.status == 200
+        return await resp.text()
+
+
+async def test_per_service_port_series_carry_namespace_service_and_port(
+    apiserver: FakeApiServer, kubeconfig: str
+) -> None:
+    [(_, port, server)] = await start_named_backends(["pod-a"])
+    try:
+        async with running_proxy(kube_config(kubeconfig)) as proxy:
+            apiserver.create(service("web", namespace="shop"))
+            apiserver.create(
+                endpoint_slice("web-a", "web", ["127.0.0.1"], port=port, namespace="shop")
+            )
+            await eventually(lambda: proxy.proxier.debug_state().get("shop/web:http"))
+            await eventually(
+                lambda: proxy.proxier.debug_state()["shop/web:http"]["endpoints"].get("cluster")
+            )
+            assert (
+                await ask(proxy.proxier.port_of(ServicePortName("shop", "web", "http"))) == "pod-a"
+            )
+            text = await scrape(proxy)
+    finally:
+        server.close()
+    labels = {
+        "namespace": "shop",
+        "service": "web",
+        "port": "http",
+        "service_port": "shop/web:http",
+        "protocol": "TCP",
+        "result": "accepted",
+    }
+    assert sample_value(text, "kube_userspace_proxy_connections_total", labels) == 1
+
+
+async def test_per_service_port_series_can_be_turned_off(
+    apiserver: FakeApiServer, kubeconfig: str
+) -> None:
+    config = kube_config(kubeconfig, metrics_per_service_port=False)
+    async with running_proxy(config) as proxy:
+        apiserver.create(service("web"))
+        await eventually(lambda: "default/web:http" in proxy.proxier.debug_state())
+        text = await scrape(proxy)
+    assert list(iter_samples(text, "kube_userspace_proxy_connections_total")) == []
+    assert list(iter_samples(text, "kube_userspace_proxy_bytes_total")) == []
+    assert sample_value(text, "kube_userspace_proxy_proxy_ports") == 1  # the totals stay
+
+
+async def test_no_local_endpoints_counts_local_policies_served_only_elsewhere(
+    apiserver: FakeApiServer, kubeconfig: str
+) -> None:
+    async with running_proxy(kube_config(kubeconfig)) as proxy:
+        apiserver.create(service("in", internalTrafficPolicy="Local"))
+        apiserver.create(endpoint_slice("in-a", "in", ["10.1.0.1"], node_name="node-2"))
+        lb = service("lb", cluster_ip="10.96.0.11", type="NodePort", externalTrafficPolicy="Local")
+        lb["spec"]["ports"][0]["nodePort"] = 30080
+        apiserver.create(lb)
+        apiserver.create(endpoint_slice("lb-a", "lb", ["10.1.0.2"], node_name="node-2"))
+        name = "kubeproxy_sync_proxy_rules_no_local_endpoints_total"
+
+        async def counts() -> tuple[float | None, float | None]:
+            text = await scrape(proxy)
+            return (
+                sample_value(text, name, {"traffic_policy": "internal"}),
+                sample_value(text, name, {"traffic_policy": "external"}),
+            )
+
+        assert await poll(counts, (1.0, 1.0)) == (1.0, 1.0)
+        # An endpoint on this node: nothing is counted any more.
+        apiserver.update(endpoint_slice("in-a", "in", ["10.1.0.1"], node_name=NODE))
+        apiserver.update(endpoint_slice("lb-a", "lb", ["10.1.0.2"], node_name=NODE))
+        assert await poll(counts, (0.0, 0.0)) == (0.0, 0.0)
+
+
+async def poll(read: Callable[[], Awaitable[T]], want: T, timeout: float = 10.0) -> T:
+    """Call `read` until it returns `want` or `timeout` passes; returns the last value."""
+    end = time.monotonic() + timeout
+    value = await read()
+    while value != want and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+        value = await read()
+    return value
