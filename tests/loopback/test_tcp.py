@@ -388,21 +388,53 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
-async def test_failure_to_listen_is_logged_and_retried_by_the_next_refresh(
+async def test_a_listener_holds_one_descriptor_whether_refusing_or_listening(
     tcp_backends: Backends,
     tcp_listener: Listeners,
     round_robin: Any,
+    open_fds: Callable[[], int],
+    eventually: Eventually,
 ) -> None:
     backend = await tcp_backends("name", "a")
-    picker = round_robin()
+    before = open_fds()
+    pickers = [round_robin() for _ in range(20)]
+    listeners = [await tcp_listener(picker) for picker in pickers]
+    assert open_fds() - before == 20  # refusing: the reservation only
+    for picker, listener in zip(pickers, listeners, strict=True):
+        picker.endpoints.append(backend.address)
+        listener.refresh()
+    await eventually(lambda: all(lst._server is not None for lst in listeners), what="served")
+    assert open_fds() - before == 20  # listening: the reservation is the listener
+    assert await ask_name(listeners[0].port) == "a"
+    for picker, listener in zip(pickers, listeners, strict=True):
+        picker.endpoints.clear()
+        listener.refresh()
+    # Refusing again, every port still held (once the proxied connection has closed).
+    await eventually(lambda: open_fds() - before == 20, what="one descriptor per port")
+    with pytest.raises(ConnectionRefusedError):
+        connect_blocking(listeners[0].port)
+    with socket.socket() as stranger, pytest.raises(OSError):
+        stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        stranger.bind(("127.0.0.1", listeners[1].port))
+
+
+async def test_failure_to_stop_listening_is_logged_and_retried_by_the_next_refresh(
+    tcp_backends: Backends,
+    tcp_listener: Listeners,
+    round_robin: Any,
+    eventually: Eventually,
+) -> None:
+    backend = await tcp_backends("name", "a")
+    picker = round_robin(backend.address)
     listener = await tcp_listener(picker)
-    picker.endpoints.append(backend.address)
+    assert await ask_name(listener.port) == "a"
+    picker.endpoints.clear()
     tcp_log = logging.getLogger(TcpListener.__module__)
     captured = _Records()
     tcp_log.addHandler(captured)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))  # socket() fails with EMFILE
+        resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))  # dup() fails with EMFILE
         try:
             listener.refresh()
         finally:
@@ -411,13 +443,18 @@ async def test_failure_to_listen_is_logged_and_retried_by_the_next_refresh(
         tcp_log.removeHandler(captured)
     errors = [r for r in captured.records if r.levelno == logging.ERROR]
     assert len(errors) == 1
-    assert "cannot listen" in errors[0].getMessage()
+    assert "cannot stop listening" in errors[0].getMessage()
+    # Still accepting, but no connection reaches a backend: there are no endpoints.
+    assert listener.accepting
+    try:
+        answer = await ask_name(listener.port)
+    except ConnectionError:
+        answer = ""  # reset
+    assert answer != "a"
+    listener.refresh()
     assert not listener.accepting
     with pytest.raises(ConnectionRefusedError):
         connect_blocking(listener.port)
-    listener.refresh()
-    assert listener.accepting
-    assert await ask_name(listener.port) == "a"
 
 
 async def test_endpoints_disappearing_refuses_at_once(

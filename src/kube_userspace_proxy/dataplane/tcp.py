@@ -1,9 +1,10 @@
 """TCP listener: serves one proxy port, and refuses connections while there are no endpoints.
 
-Refusing: while the picker has no endpoints there is no listening socket. The socket handed
-in stays bound, not listening, with SO_REUSEPORT, so it keeps the port reserved; when
-endpoints exist a second SO_REUSEPORT socket bound to the same address listens. A SYN to a
-port whose reuseport group has no listener gets a RST: the client sees ECONNREFUSED.
+One descriptor per port: the socket handed in is both the reservation and the listener.
+While the picker has endpoints it listens; while it has none, shutdown(SHUT_RD) takes it back
+to a bound, non-listening socket (Linux: the backlog is reset, the port stays bound because it
+was bound explicitly), and a SYN to it gets a RST: the client sees ECONNREFUSED. It keeps
+SO_REUSEPORT, so that other processes' listeners may join the port.
 """
 
 from __future__ import annotations
@@ -24,23 +25,43 @@ log = logs.get(__name__)
 DIAL_TIMEOUTS = (0.25, 0.5, 1.0, 2.0)
 
 
-def _reserve(sock: socket.socket) -> None:
-    """Make a bound socket a port reservation that listening sockets can join.
+def _reserve(sock: socket.socket) -> socket.socket:
+    """The port reservation for a bound socket: a socket bound explicitly to its address.
 
-    SO_REUSEPORT set after bind lets our listener bind the same address (the kernel checks
-    the current flags of the sockets already bound); clearing SO_REUSEADDR stops a stranger
-    with only SO_REUSEADDR from binding the port while nothing listens.
+    Linux forgets a kernel-chosen port when its socket stops listening, but keeps a port that
+    was asked for: so a second socket binds the address explicitly, joining through
+    SO_REUSEPORT (set on the first after its bind; the kernel checks the flags of the sockets
+    already bound), and the first is closed. The reservation keeps SO_REUSEPORT so that
+    listeners of other processes may join it, and has SO_REUSEADDR cleared, so that a
+    stranger with only SO_REUSEADDR cannot bind the port.
     """
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
-    sock.setblocking(False)
+    pinned = socket.socket(sock.family, socket.SOCK_STREAM)
+    try:
+        pinned.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if sock.family == socket.AF_INET6:
+            v6only = sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+            pinned.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, v6only)
+        pinned.bind(sock.getsockname())
+        pinned.setblocking(False)
+    except BaseException:
+        pinned.close()
+        raise
+    sock.close()
+    return pinned
+
+
+def _unlisten(sock: socket.socket) -> None:
+    """A listening socket back to bound and not listening; its backlog is reset."""
+    with contextlib.suppress(OSError):  # ENOTCONN: it was not listening
+        sock.shutdown(socket.SHUT_RD)
 
 
 class TcpListener:
     """Serves one proxy port; refuses connections (RST) while the picker has no endpoints.
 
     `sock` is a bound TCP socket (IPv4 or IPv6) that is not listening; the listener owns it
-    from now on and closes it in `close()`.
+    from now on (replaced by its reservation, see `_reserve`) and closes it in `close()`.
     """
 
     def __init__(
@@ -57,7 +78,7 @@ class TcpListener:
     ) -> None:
         if sock.type != socket.SOCK_STREAM:
             raise ValueError(f"TcpListener needs a TCP socket, got {sock!r}")
-        _reserve(sock)
+        sock = _reserve(sock)
         self._sock: socket.socket | None = sock
         self._address = sock.getsockname()
         self.picker = picker
@@ -73,8 +94,8 @@ class TcpListener:
         self.conns: set[Connection] = set()
         self.idle: asyncio.Future[None] | None = None
         self._server: asyncio.AbstractServer | None = None
-        # Listening, not yet served by the loop: set by refresh(), taken by _serve().
-        self._pending: socket.socket | None = None
+        # Listening, not yet served by the loop: set by refresh(), cleared by _serve().
+        self._pending = False
         self._handing_over = False  # _serve() is inside create_server()
         self._opening: asyncio.Task[None] | None = None
         self._closed = False
@@ -95,7 +116,7 @@ class TcpListener:
         """
         self._loop = asyncio.get_running_loop()
         if self.picker and not self._closed:
-            self._pending = self._listening_socket()
+            self._listen()
             await self._serve()
 
     def set_picker(self, picker: Picker) -> None:
@@ -114,9 +135,9 @@ class TcpListener:
             return
         if not self.picker:
             self._stop_listening()
-        elif self._server is None and self._pending is None and not self._handing_over:
+        elif self._server is None and not self._pending and not self._handing_over:
             try:
-                self._pending = self._listening_socket()
+                self._listen()
             except OSError as exc:
                 log.error("%s: cannot listen on %s: %s", self.name, self._address, exc)
                 return
@@ -127,15 +148,15 @@ class TcpListener:
 
     async def _serve(self) -> None:
         """Hand the listening socket (if still wanted) to the loop; raises OSError on failure."""
-        sock = self._pending
-        if sock is None:  # refused again before this ran
+        sock = self._sock
+        if not self._pending or sock is None:  # refused again before this ran
             return
-        self._pending = None
+        self._pending = False
         self._handing_over = True
         try:
             server = await self.loop.create_server(self._protocol, sock=sock, backlog=self._backlog)
         except Exception:
-            sock.close()
+            _unlisten(sock)
             if self.on_listen is not None:
                 self.on_listen(None)
             raise
@@ -154,39 +175,43 @@ class TcpListener:
         finally:
             self._opening = None
 
-    def _listening_socket(self) -> socket.socket:
-        """A socket bound to the port (joining the reservation's reuseport group), listening."""
+    def _listen(self) -> None:
+        """Listen on the reserved socket now (connections wait in the backlog until served)."""
         assert self._sock is not None
-        sock = socket.socket(self._sock.family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if sock.family == socket.AF_INET6:
-                v6only = self._sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, v6only)
-            sock.bind(self._address)
-            sock.setblocking(False)
-            sock.listen(self._backlog)
-        except BaseException:
-            sock.close()
-            raise
+        self._sock.listen(self._backlog)
+        self._pending = True
         if self.on_listen is not None:
-            self.on_listen(sock)
-        return sock
+            self.on_listen(self._sock)
 
     def _protocol(self) -> Connection:
         return Connection(self)
 
-    def _stop_listening(self) -> None:
-        # Closing a listening socket resets the connections still in its backlog.
+    def _stop_listening(self, *, release: bool = False) -> None:
+        """Refuse from now on, keeping the port (or giving it up too, with `release`)."""
+        # Unlistening resets the connections still in the backlog, as closing would.
         pending = self._pending
-        if pending is not None:  # not yet handed to the loop: _serve() will skip it
-            self._pending = None
-            pending.close()
+        if pending:  # not yet handed to the loop: _serve() will skip it
+            self._pending = False
+            assert self._sock is not None
+            _unlisten(self._sock)
         server = self._server
-        if server is not None:
+        if server is not None and self._sock is not None:
+            kept = None
+            if not release:
+                # The loop closes the descriptor it serves: keep the socket (and the port)
+                # through a duplicate, the only descriptor once the server has closed.
+                try:
+                    kept = self._sock.dup()
+                except OSError as exc:
+                    # Still listening: connections are reset for want of endpoints.
+                    log.error("%s: cannot stop listening on %s: %s", self.name, self._address, exc)
+                    return
             self._server = None
-            server.close()  # closes the listening socket now
-        if pending is not None or server is not None:
+            server.close()
+            self._sock = kept
+            if kept is not None:
+                _unlisten(kept)
+        if pending or server is not None:
             log.debug("%s: refusing on %s", self.name, self._address)
             if self.on_listen is not None:
                 self.on_listen(None)
@@ -194,12 +219,12 @@ class TcpListener:
     async def close(self) -> None:
         """Stop accepting and release the port; connections in flight go on to finish."""
         self._closed = True
-        self._stop_listening()
+        self._stop_listening(release=True)
         opening = self._opening
         if opening is not None:
             with contextlib.suppress(OSError, asyncio.CancelledError):
                 await opening
-        self._stop_listening()
+        self._stop_listening(release=True)
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -240,7 +265,7 @@ class TcpListener:
     @property
     def accepting(self) -> bool:
         """True while a socket listens on the port (the picker has endpoints)."""
-        return self._server is not None or self._pending is not None or self._handing_over
+        return self._server is not None or self._pending or self._handing_over
 
     @property
     def buffered_bytes(self) -> int:
