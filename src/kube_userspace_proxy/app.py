@@ -171,6 +171,7 @@ class Proxy:
         await self.proxier.sync(snapshot)
         await self.service_health.sync(snapshot)
         self.metrics.set_no_local_endpoints(*no_local_endpoints(snapshot))
+        self.metrics.set_over_budget(self.proxier.over_budget())
         metrics = self.metrics
         metrics.add_changes(snapshot.service_changes, snapshot.endpoint_changes)
         metrics.set_pending(state.pending_service_changes, state.pending_endpoint_changes)

@@ -15,6 +15,10 @@ class PortExhaustedError(ProxyError):
     """No free port is left in `--proxy-port-range` for a service port."""
 
 
+class DescriptorBudgetError(ProxyError):
+    """Opening one more proxy port would eat into the descriptors kept in reserve."""
+
+
 class PortInUseError(ProxyError):
     """A fixed port (a NodePort, a health or metrics address) is taken by someone else."""
 

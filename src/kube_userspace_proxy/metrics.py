@@ -341,6 +341,12 @@ class ProxyMetrics:
             ["table"],
             registry=base,
         )
+        self._over_budget = Gauge(
+            PREFIX + "service_ports_over_descriptor_budget",
+            "Service ports refused at the last sync because opening them would eat into the"
+            " descriptors kept in reserve (RLIMIT_NOFILE)",
+            registry=base,
+        )
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(base)
         self.registry.register(_PortCollector(self))
@@ -381,6 +387,10 @@ class ProxyMetrics:
         """Rules of ours in each table after a commit (tables not named keep their value)."""
         for table, count in per_table.items():
             self._iptables_rules.labels(table).set(count)
+
+    def set_over_budget(self, service_ports: int) -> None:
+        """Service ports the last sync refused for want of descriptors."""
+        self._over_budget.set(service_ports)
 
     def restore_failure(self) -> None:
         """Applying iptables rules failed."""

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import errno
+import os
 import random
+import resource
 import socket
+from collections.abc import Callable
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.errors import PortExhaustedError
+from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError
 from kube_userspace_proxy.model import Protocol
 
 log = logs.get(__name__)
@@ -176,3 +179,61 @@ class PortAllocator:
                 return exc.errno
             raise
         return sock
+
+
+MIN_DESCRIPTOR_RESERVE = 256
+
+
+def descriptor_limit() -> int:
+    """This process's RLIMIT_NOFILE soft limit."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def open_descriptors() -> int:
+    """How many descriptors this process holds now (one directory listing: once per sync)."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+class DescriptorBudget:
+    """How many more descriptors proxy ports may take, keeping a reserve free.
+
+    The reserve (a twentieth of RLIMIT_NOFILE, at least 256) is for everything else: the
+    iptables runs, the ops server, the API connection, proxied connections. `start()` counts
+    what is open at the beginning of a sync; each port opened during it is `take()`n.
+    """
+
+    def __init__(
+        self,
+        *,
+        limit: Callable[[], int] = descriptor_limit,
+        count: Callable[[], int] = open_descriptors,
+        reserve: int | None = None,
+    ) -> None:
+        self._limit_of = limit
+        self._count = count
+        self._reserve = reserve
+        self.limit = 0
+        self.used = 0
+
+    @property
+    def reserve(self) -> int:
+        if self._reserve is not None:
+            return self._reserve
+        return max(MIN_DESCRIPTOR_RESERVE, self.limit // 20)
+
+    def start(self) -> None:
+        """Count the descriptors open now (at the start of a sync)."""
+        self.limit = self._limit_of()
+        self.used = self._count()
+
+    def take(self, what: str, count: int = 1) -> None:
+        """Account for `count` new descriptors for `what`, or raise DescriptorBudgetError."""
+        allowed = self.limit - self.reserve
+        if self.used + count > allowed:
+            raise DescriptorBudgetError(
+                f"refused {what}: no descriptor left within RLIMIT_NOFILE={self.limit} but"
+                f" the {self.reserve} kept in reserve (iptables, ops server, API connection,"
+                " proxied connections); raise the limit (LimitNOFILE, ulimit -n) or serve"
+                " fewer Services on this node"
+            )
+        self.used += count

@@ -18,7 +18,7 @@ from typing import Protocol as TypingProtocol
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.balancer import EndpointPool, usable_endpoints
 from kube_userspace_proxy.dataplane import ConnStats, Picker, TcpListener, UdpListener
-from kube_userspace_proxy.errors import PortExhaustedError, PortInUseError
+from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
     Path,
     Protocol,
@@ -27,7 +27,7 @@ from kube_userspace_proxy.model import (
     ServicePortName,
     Snapshot,
 )
-from kube_userspace_proxy.ports import PortAllocator
+from kube_userspace_proxy.ports import DescriptorBudget, PortAllocator
 
 log = logs.get(__name__)
 
@@ -159,8 +159,12 @@ class Proxier:
         udp_idle_timeout: float = 0.25,
         node_port_addresses: Callable[[], Sequence[str]] | None = None,
         dataplane: DataPlane | None = None,
+        budget: DescriptorBudget | None = None,
     ) -> None:
         self._allocator = allocator
+        self._budget = budget or DescriptorBudget()
+        # Service ports refused because the descriptor budget is spent.
+        self._over_budget: set[ServicePortName] = set()
         self._portals = portals
         self._dataplane = dataplane or LocalDataPlane(udp_idle_timeout=udp_idle_timeout)
         self._node_port_addresses = node_port_addresses or (lambda: (allocator.host,))
@@ -186,15 +190,20 @@ class Proxier:
     async def sync(self, snapshot: Snapshot) -> None:
         """Make listeners, pools and rules match `snapshot`; per-port failures are contained."""
         self.node_name = snapshot.node_name
+        self._budget.start()
         if self._claims is None:
             await self._claim_previous_ports()
         for name in [n for n in self._served if n not in snapshot.services]:
             self._remove(name)
         for name in [n for n in self._errors if n not in snapshot.services]:
             del self._errors[name]
+        self._over_budget.clear()
         for name, info in snapshot.services.items():
             try:
                 await self._reconcile_port(name, info, snapshot)
+            except DescriptorBudgetError as exc:
+                self._over_budget.add(name)
+                self._report(name, str(exc))
             except (PortExhaustedError, PortInUseError, OSError) as exc:
                 self._report(name, str(exc))
             except Exception as exc:
@@ -321,6 +330,8 @@ class Proxier:
             if claimed is None and path is Path.CLUSTER and not info.paths_differ:
                 # One port for both paths: the rules may name it only as the external one.
                 claimed = self._claims.pop((*key, str(Path.EXTERNAL)), None)
+        if claimed is None:
+            self._budget.take(f"its {path} proxy port")
         sock = claimed or self._allocator.reserve(info.protocol, name=str(info.name))
         listener = self._make_listener(sock, pool, served.stats, str(info.name))
         served.pools[path] = pool
@@ -355,7 +366,9 @@ class Proxier:
         pool = served.pools.get(Path.EXTERNAL) or served.pools[Path.CLUSTER]
         kind = socket.SOCK_STREAM if info.protocol is Protocol.TCP else socket.SOCK_DGRAM
         failures = []
-        for address in self._node_port_addresses():
+        addresses = self._node_port_addresses()
+        self._budget.take(f"its NodePort {info.protocol}/{info.node_port}", len(addresses))
+        for address in addresses:
             family = socket.AF_INET6 if ":" in address else socket.AF_INET
             sock = socket.socket(family, kind)
             try:
@@ -470,6 +483,10 @@ class Proxier:
         """The proxy port serving `name` on `path` (0 when it is not served)."""
         served = self._served.get(name)
         return served.port_of(path) if served is not None else 0
+
+    def over_budget(self) -> int:
+        """How many service ports the last sync refused for want of descriptors."""
+        return len(self._over_budget)
 
     def errors(self) -> dict[ServicePortName, str]:
         """Service ports that could not be served, with the reason."""

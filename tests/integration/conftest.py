@@ -125,11 +125,13 @@ class Proxy:
     manifest: Path
     log: Path
     extra: tuple[str, ...] = ()
+    wrapper: tuple[str, ...] = ()  # e.g. prlimit: a command the proxy runs under
     proc: subprocess.Popen[bytes] | None = None
     runs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start(self) -> None:
         args = [
+            *self.wrapper,
             str(PROXY),
             "run",
             "--manifests",

@@ -318,7 +318,8 @@ async def test_fast_metrics_text_matches_the_registry(ops: Ops) -> None:
         }
 
     assert port_samples(served) == port_samples(registry_text)
-    assert len(port_samples(served)) == 19  # 11 TCP + 7 UDP series + proxy_ports
+    # 11 TCP + 7 UDP series + proxy_ports + service_ports_over_descriptor_budget
+    assert len(port_samples(served)) == 20
 
 
 # -- binding -------------------------------------------------------------------------------

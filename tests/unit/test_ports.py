@@ -12,9 +12,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kube_userspace_proxy.errors import PortExhaustedError
+from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError
 from kube_userspace_proxy.model import Protocol
-from kube_userspace_proxy.ports import PortAllocator, format_port_range, parse_port_range
+from kube_userspace_proxy.ports import (
+    DescriptorBudget,
+    PortAllocator,
+    format_port_range,
+    parse_port_range,
+)
 
 HOST = "127.0.0.1"
 
@@ -292,3 +297,22 @@ def test_preferred_port_is_taken_back_past_the_earlier_runs_time_wait_connection
         assert sock.getsockname()[1] == port
     finally:
         sock.close()
+
+
+def test_descriptor_budget_keeps_the_reserve_free() -> None:
+    budget = DescriptorBudget(limit=lambda: 1000, count=lambda: 700, reserve=256)
+    budget.start()
+    budget.take("a", 40)
+    budget.take("b", 4)  # 744 = 1000 - 256
+    with pytest.raises(DescriptorBudgetError, match=r"refused c: .*RLIMIT_NOFILE=1000.*256"):
+        budget.take("c")
+    budget.start()  # a new sync counts again
+    budget.take("c")
+
+
+def test_descriptor_reserve_is_a_twentieth_of_the_limit_and_at_least_256() -> None:
+    small = DescriptorBudget(limit=lambda: 1024, count=lambda: 0)
+    small.start()
+    large = DescriptorBudget(limit=lambda: 20000, count=lambda: 0)
+    large.start()
+    assert (small.reserve, large.reserve) == (256, 1000)
