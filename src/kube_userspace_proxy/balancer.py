@@ -69,6 +69,8 @@ class EndpointPool:
         self._pins: dict[str, _Pin] = {}
         self._penalties: dict[Address, float] = {}  # address -> monotonic time it ends
         self._sweep_at = min(1024, self.max_affinity_entries)
+        self.proxy_protocol = 0
+        """PROXY protocol version the data plane sends these endpoints first (0: none)."""
 
     # -- reading -------------------------------------------------------------------------------
 

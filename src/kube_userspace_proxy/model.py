@@ -63,6 +63,8 @@ class ServicePortInfo:
     external_traffic_local: bool = False
     health_check_node_port: int = 0
     """spec.healthCheckNodePort of a LoadBalancer Service with externalTrafficPolicy Local."""
+    proxy_protocol: int = 0
+    """PROXY protocol header version sent to the backend first (1 or 2); 0: none (TCP only)."""
 
     @property
     def protocol(self) -> Protocol:

@@ -29,6 +29,8 @@ LABEL_SERVICE_PROXY_NAME = "service.kubernetes.io/service-proxy-name"
 LABEL_HEADLESS = "service.kubernetes.io/headless"
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"
 ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
+ANNOTATION_PROXY_PROTOCOL = "kube-userspace-proxy.io/proxy-protocol"
+_PROXY_PROTOCOL_VERSIONS = {"v1": 1, "v2": 2}
 TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
 
 _MAX_AFFINITY_TIMEOUT = 86400  # kube-apiserver's validation limit
@@ -184,10 +186,12 @@ def ignore_reason(obj: Mapping[str, Any], service_proxy_name: str | None) -> str
 
 def parse_service(
     obj: Mapping[str, Any], key: Key
-) -> tuple[tuple[ServicePortInfo, ...], tuple[ServicePortName, ...]]:
-    """The service ports of a proxied Service, and the names of its skipped SCTP ports."""
+) -> tuple[tuple[ServicePortInfo, ...], tuple[ServicePortName, ...], tuple[str, ...]]:
+    """The service ports of a proxied Service, the names of its skipped SCTP ports, and the
+    problems that do not stop it being proxied (each worth one warning)."""
     namespace, name = key
     spec = _mapping(obj, "spec", "")
+    proxy_protocol, problems = _proxy_protocol(_mapping(obj, "metadata", ""))
     kind = _field(spec, "type", str, "spec.", "ClusterIP")
     raw_ips = _field(spec, "clusterIPs", list, "spec.", [])
     if not raw_ips:
@@ -265,9 +269,27 @@ def parse_service(
                 internal_traffic_local=internal_local,
                 external_traffic_local=external_local,
                 health_check_node_port=health_port,
+                proxy_protocol=proxy_protocol if protocol == "TCP" else 0,
             )
         )
-    return tuple(infos), tuple(sctp)
+    if proxy_protocol and any(i.protocol is Protocol.UDP for i in infos):
+        problems += (f"{ANNOTATION_PROXY_PROTOCOL} applies to TCP ports only; UDP ports get none",)
+    return tuple(infos), tuple(sctp), problems
+
+
+def _proxy_protocol(meta: Mapping[str, Any]) -> tuple[int, tuple[str, ...]]:
+    """The PROXY protocol version the Service's annotation asks for (0: none), and why not."""
+    annotations = meta.get("annotations")
+    if not isinstance(annotations, Mapping) or ANNOTATION_PROXY_PROTOCOL not in annotations:
+        return 0, ()
+    value = annotations[ANNOTATION_PROXY_PROTOCOL]
+    version = _PROXY_PROTOCOL_VERSIONS.get(value) if isinstance(value, str) else None
+    if version is None:
+        return 0, (
+            f"annotation {ANNOTATION_PROXY_PROTOCOL}: {value!r} is not v1 or v2;"
+            " proxying without a PROXY protocol header",
+        )
+    return version, ()
 
 
 def _policy(spec: Mapping[str, Any], key: str) -> bool:

@@ -356,6 +356,7 @@ class Proxier:
             )
             usable = usable_endpoints(endpoints, local_only=local, node_name=snapshot.node_name)
             pool.update(usable, affinity_timeout=timeout)
+            pool.proxy_protocol = info.proxy_protocol
         for listener in served.every_listener():
             listener.refresh()
 

@@ -62,6 +62,7 @@ class ClusterState:
         self._rejected: dict[tuple[Kind, Key], Any] = {}  # last raw object already logged
         self._versions: dict[tuple[Kind, Key], str] = {}  # resourceVersion last parsed
         self._sctp_warned: set[ServicePortName] = set()
+        self._problems_warned: dict[Key, tuple[str, ...]] = {}
         self._listed: set[Kind] = set()
         self._trigger_times: list[float] = []
         self._node_ips: tuple[str, ...] = ()
@@ -212,6 +213,7 @@ class ClusterState:
             if self._services.pop(key, None) is None:
                 return 0
             self._sctp_warned = {n for n in self._sctp_warned if (n.namespace, n.name) != key}
+            self._problems_warned.pop(key, None)
             self._dirty.add(key)
             return 1
         old = self._slices.pop(key, None)
@@ -228,8 +230,9 @@ class ClusterState:
         try:
             reason = ignore_reason(obj, self.service_proxy_name)
             if reason is None:
-                infos, sctp = parse_service(obj, key)
+                infos, sctp, problems = parse_service(obj, key)
                 self._warn_sctp(sctp)
+                self._warn_problems(key, problems)
             else:
                 log.debug("ignoring Service %s/%s: %s", *key, reason)
             self._rejected.pop(("Service", key), None)
@@ -249,6 +252,16 @@ class ClusterState:
             if name not in self._sctp_warned:
                 self._sctp_warned.add(name)
                 log.warning("skipping service port %s: protocol SCTP is not proxied", name)
+
+    def _warn_problems(self, key: Key, problems: tuple[str, ...]) -> None:
+        # Once per Service and set of problems: not again on every relist or reload.
+        if self._problems_warned.get(key, ()) != problems:
+            for problem in problems:
+                log.warning("Service %s/%s: %s", *key, problem)
+        if problems:
+            self._problems_warned[key] = problems
+        else:
+            self._problems_warned.pop(key, None)
 
     def _upsert_slice(self, key: Key, obj: Mapping[str, Any]) -> int:
         try:

@@ -118,17 +118,18 @@ class Worker:
         seq: int,
         settings: dict[str, Any],
         listeners: Sequence[tuple[Key, str, int, int]],
-        pools: dict[int, tuple[ServicePortName, tuple[Address, ...], float | None]],
+        pools: dict[int, tuple[ServicePortName, tuple[Address, ...], float | None, int]],
         routes: dict[Key, tuple[int, ...]],
     ) -> None:
         """Make the listeners and pools match the table; report group joins and leaves."""
         self.udp_idle_timeout = float(settings.get("udp_idle_timeout", self.udp_idle_timeout))
         self._routes.update(routes)
         changed: set[int] = set()
-        for pool_id, (port_name, addresses, timeout) in pools.items():
+        for pool_id, (port_name, addresses, timeout, proxy_protocol) in pools.items():
             pool = self._pools.get(pool_id)
             if pool is None:
                 pool = self._pools[pool_id] = _Pool(pool_id, port_name, self)
+            pool.proxy_protocol = proxy_protocol
             if pool.last != (addresses, timeout):
                 pool.last = (addresses, timeout)
                 pool.update(

@@ -310,7 +310,12 @@ class WorkerPool:
             pool_id = self._pool_id(picker)
             if pool_id not in pools:
                 assert isinstance(picker, EndpointPool)
-                pools[pool_id] = (picker.name, picker.addresses, picker.affinity_timeout)
+                pools[pool_id] = (
+                    picker.name,
+                    picker.addresses,
+                    picker.affinity_timeout,
+                    picker.proxy_protocol,
+                )
             listeners.append((port.key, port.name, pool_id, port.v6only))
         return listeners, pools
 

@@ -73,6 +73,7 @@ class RoundRobin:
         self.failed: list[tuple[str, int]] = []
         self.retries = 0
         self._next = 0
+        self.proxy_protocol = 0
 
     def pick(self, client_ip: str, *, retry: bool = False) -> tuple[str, int] | None:
         if retry:

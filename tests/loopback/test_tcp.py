@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kube_userspace_proxy.dataplane import ConnStats, TcpListener
+from kube_userspace_proxy.dataplane import ConnStats, TcpListener, proxyproto
 from kube_userspace_proxy.dataplane.splice import PIPE_SIZE
 
 MiB = 1 << 20
@@ -669,3 +669,25 @@ async def test_no_descriptors_leak_after_connections_close(
     await eventually(lambda: listener.active_connections == 0, what="connections closed")
     await eventually(lambda: backend.open_connections == 0, what="backend side closed")
     assert open_fds() <= before
+
+
+@BOTH_LOOPS
+@pytest.mark.parametrize("version", [1, 2])
+async def test_proxy_protocol_header_comes_before_the_first_byte(
+    tcp_backends: Backends, tcp_listener: Listeners, round_robin: Any, version: int
+) -> None:
+    backend = await tcp_backends("echo", "echo-a")
+    picker = round_robin(backend.address)
+    picker.proxy_protocol = version
+    stats = ConnStats()
+    listener = await tcp_listener(picker, stats=stats)
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    client = writer.get_extra_info("sockname")[:2]
+    writer.write(b"hello")
+    writer.write_eof()
+    reply = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    # Not NATed: the destination is the proxy port itself.
+    head = proxyproto.header(version, client, ("127.0.0.1", listener.port))
+    assert reply == head + b"hello<eof seen by echo-a>"
+    assert stats.bytes_in == len(b"hello")  # the header is not the client's payload

@@ -820,3 +820,54 @@ def test_relist_of_same_resource_version_is_not_parsed_again() -> None:
     state.apply("Service", "DELETED", newer)
     state.apply("Service", "ADDED", first)  # recreated objects are parsed even at an old version
     assert state.snapshot().services[HTTP].port == 80
+
+
+# -- the PROXY protocol annotation ------------------------------------------------------------
+
+
+def annotated(value: Any, **kwargs: Any) -> dict[str, Any]:
+    obj = service(**kwargs)
+    obj["metadata"]["annotations"] = {"kube-userspace-proxy.io/proxy-protocol": value}
+    return obj
+
+
+@pytest.mark.parametrize(("value", "version"), [("v1", 1), ("v2", 2)])
+def test_proxy_protocol_annotation_sets_the_version(value: str, version: int) -> None:
+    snapshot = build([annotated(value)], [endpoint_slice()])
+    assert snapshot.services[HTTP].proxy_protocol == version
+
+
+def test_service_without_the_annotation_gets_no_header() -> None:
+    snapshot = build([service()], [endpoint_slice()])
+    assert snapshot.services[HTTP].proxy_protocol == 0
+
+
+@pytest.mark.parametrize("value", ["v3", "V1", "", "true", 2])
+def test_bad_proxy_protocol_value_is_one_warning_and_no_header(
+    logged: pytest.LogCaptureFixture, value: Any
+) -> None:
+    state = ClusterState()
+    state.replace("Service", [annotated(value)])
+    state.replace("EndpointSlice", [endpoint_slice()])
+    state.replace("Service", [annotated(value)])  # a relist or reload: no second warning
+    snapshot = state.snapshot()
+    assert snapshot.services[HTTP].proxy_protocol == 0
+    assert snapshot.endpoints_of(HTTP)  # still proxied
+    warnings = lines(logged, logging.WARNING)
+    assert len(warnings) == 1, warnings
+    assert "kube-userspace-proxy.io/proxy-protocol" in warnings[0]
+    assert repr(value) in warnings[0]
+
+
+def test_proxy_protocol_on_a_udp_port_is_tcp_only_with_a_warning(
+    logged: pytest.LogCaptureFixture,
+) -> None:
+    ports = [
+        {"name": "http", "port": 80, "protocol": "TCP"},
+        {"name": "dns", "port": 53, "protocol": "UDP"},
+    ]
+    snapshot = build([annotated("v2", ports=ports)])
+    dns = ServicePortName("default", "web", "dns", Protocol.UDP)
+    assert snapshot.services[HTTP].proxy_protocol == 2
+    assert snapshot.services[dns].proxy_protocol == 0
+    assert any("TCP ports only" in line for line in lines(logged, logging.WARNING))

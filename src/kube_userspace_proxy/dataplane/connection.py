@@ -18,6 +18,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.dataplane import proxyproto
 from kube_userspace_proxy.dataplane import splice as splicing
 
 if TYPE_CHECKING:
@@ -266,6 +267,8 @@ class Connection(asyncio.Protocol):
                 _peer(self.transport),
                 _peer(b.transport),
             )
+        if self.lst.picker.proxy_protocol:
+            self._send_proxy_header(b)
         pending = self.pending
         self.pending = None
         if pending:
@@ -279,6 +282,16 @@ class Connection(asyncio.Protocol):
                 return
         if not b.write_paused and not self.transport.is_closing():
             self.transport.resume_reading()
+
+    def _send_proxy_header(self, b: BackendSide) -> None:
+        """The PROXY protocol header goes first: the backend learns who the client is."""
+        sock = self.transport.get_extra_info("socket")
+        try:
+            head = proxyproto.for_connection(self.lst.picker.proxy_protocol, sock)
+        except (OSError, AttributeError, ValueError) as exc:  # the client is already gone
+            log.debug("%s: no PROXY header: %r", self.lst.name, exc)
+            return
+        b.transport.write(head)
 
     # --- ending
 

@@ -21,6 +21,9 @@ class Picker(Protocol):
         """True while the picker has usable endpoints."""
         ...
 
+    proxy_protocol: int
+    """PROXY protocol version sent to the endpoints before the first byte (1, 2; 0: none)."""
+
     @property
     def addresses(self) -> tuple[tuple[str, int], ...]:
         """The (ip, port) of every usable endpoint (read on endpoint updates, not per packet)."""

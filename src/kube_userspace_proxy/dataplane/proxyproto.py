@@ -1,0 +1,89 @@
+"""PROXY protocol headers (HAProxy's spec, v1 text and v2 binary) for backends that ask.
+
+A userspace proxy dials the backend from the node, so the backend sees the node's address. A
+Service annotated `kube-userspace-proxy.io/proxy-protocol: v1|v2` gets this header in front
+of the first byte of every connection instead: the client's address and port, and the
+address and port the client dialed (the ClusterIP, NodePort or external IP before iptables
+rewrote it, read from conntrack with SO_ORIGINAL_DST), so the backend can log or filter on
+them. Built once per connection, after the dial succeeded; TCP only.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+SO_ORIGINAL_DST = 80
+"""linux/netfilter_ipv4.h; IP6T_SO_ORIGINAL_DST (linux/netfilter_ipv6/ip6_tables.h) is 80 too."""
+V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
+_V2_PROXY = 0x21  # version 2, command PROXY
+_V2_TCP4 = 0x11  # AF_INET, STREAM
+_V2_TCP6 = 0x21  # AF_INET6, STREAM
+_MAPPED = "::ffff:"
+
+Address = tuple[str, int]
+
+
+def original_destination(sock: Any) -> Address:
+    """Where the client sent the connection before NAT; the local address when not NATed.
+
+    `sock` is the accepted socket (or uvloop's stand-in for it, which has getsockopt).
+    """
+    try:
+        if sock.family == socket.AF_INET6:
+            raw = sock.getsockopt(socket.IPPROTO_IPV6, SO_ORIGINAL_DST, 28)
+            port, packed = struct.unpack_from("!2xH4x16s", raw)
+            return socket.inet_ntop(socket.AF_INET6, packed), port
+        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+        port, packed = struct.unpack_from("!2xH4s", raw)
+        return socket.inet_ntop(socket.AF_INET, packed), port
+    except OSError:  # ENOENT: no conntrack entry (a direct connection to the proxy port)
+        local = sock.getsockname()
+        return local[0], local[1]
+
+
+def header(version: int, client: Address, destination: Address) -> bytes:
+    """The PROXY header (`version` 1 or 2) for a TCP connection from `client` to `destination`."""
+    src, dst = _same_family(client[0], destination[0])
+    v6 = ":" in src
+    if version == 1:
+        return b"PROXY %s %s %s %d %d\r\n" % (
+            b"TCP6" if v6 else b"TCP4",
+            src.encode(),
+            dst.encode(),
+            client[1],
+            destination[1],
+        )
+    family = socket.AF_INET6 if v6 else socket.AF_INET
+    addresses = (
+        socket.inet_pton(family, src)
+        + socket.inet_pton(family, dst)
+        + struct.pack("!HH", client[1], destination[1])
+    )
+    return (
+        V2_SIGNATURE
+        + struct.pack("!BBH", _V2_PROXY, _V2_TCP6 if v6 else _V2_TCP4, len(addresses))
+        + addresses
+    )
+
+
+def for_connection(version: int, sock: Any) -> bytes:
+    """The header for the accepted socket `sock`: its peer, and its original destination."""
+    peer = sock.getpeername()
+    return header(version, (peer[0], peer[1]), original_destination(sock))
+
+
+def _same_family(src: str, dst: str) -> tuple[str, str]:
+    """Both addresses in one family, as the header needs: IPv4 when both are IPv4(-mapped)."""
+    src_v4 = _unmapped(src)
+    dst_v4 = _unmapped(dst)
+    if ":" not in src_v4 and ":" not in dst_v4:
+        return src_v4, dst_v4
+    return (src if ":" in src else _MAPPED + src), (dst if ":" in dst else _MAPPED + dst)
+
+
+def _unmapped(address: str) -> str:
+    if address.startswith(_MAPPED) and "." in address:
+        return address[len(_MAPPED) :]
+    return address
