@@ -138,6 +138,7 @@ class Proxy:
             node_name=netutil.node_name(config.hostname_override or None),
             service_proxy_name=config.service_proxy_name or None,
             on_change=self._changed,
+            loopback_endpoints=config.allows_loopback_endpoints,
         )
         self.runner = BoundedFrequencyRunner(
             self.sync_once,

@@ -182,6 +182,7 @@ _RUN_FLAGS = (
     _Flag("--metrics-per-service-port", "metrics_per_service_port", "bool", "true|false"),
     _Flag("--shutdown-grace", "shutdown_grace", "duration"),
     _Flag("--workers", "workers", "str", "count or auto"),
+    _Flag("--loopback-endpoints", "loopback_endpoints", "choice", "", ("auto", "allow", "deny")),
 )
 
 

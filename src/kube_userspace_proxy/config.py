@@ -148,6 +148,9 @@ class ProxyConfig(BaseModel):
     """Export per-service-port series (labels namespace, service, port); off for big clusters."""
     kube_proxy_config: dict[str, Any] = {}
     """The KubeProxyConfiguration document read with --config, kube-proxy's defaults filled in."""
+    loopback_endpoints: Literal["auto", "allow", "deny"] = "auto"
+    """Whether endpoints on loopback addresses are dialed: auto allows them with --manifests
+    only (the demo's pods are on 127.0.0.x); a cluster's never are (they would reach the node)."""
     workers: str = "auto"
     """Data-plane worker processes: a count, or auto (the CPUs this process may use, at most 4);
     1 serves from the control process itself."""
@@ -212,6 +215,13 @@ class ProxyConfig(BaseModel):
         if text != "auto" and not (text.isdigit() and 1 <= int(text) <= MAX_WORKERS):
             raise ValueError(f"must be 'auto' or a whole number from 1 to {MAX_WORKERS}")
         return text
+
+    @property
+    def allows_loopback_endpoints(self) -> bool:
+        """True when loopback endpoint addresses are dialed (see `loopback_endpoints`)."""
+        if self.loopback_endpoints == "auto":
+            return bool(self.manifests)
+        return self.loopback_endpoints == "allow"
 
     @property
     def worker_count(self) -> int:

@@ -29,6 +29,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from kube_userspace_proxy import objects
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.model import Protocol, ServicePortName
 
@@ -241,6 +242,21 @@ class _PortCollector(Collector):
         return families
 
 
+class _ForbiddenAddressCollector(Collector):
+    """Addresses dropped from objects because of their kind (`objects.forbidden_addresses`)."""
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            PREFIX + "forbidden_addresses",
+            "Endpoint, ClusterIP, externalIP and LoadBalancer addresses never proxied because"
+            " they are loopback, link-local, unspecified, multicast or broadcast.",
+            labels=["kind", "field", "reason"],
+        )
+        for labels, count in sorted(objects.forbidden_addresses.items()):
+            family.add_metric(list(labels), count)
+        yield family
+
+
 class ProxyMetrics:
     """The proxy's metrics; the sync runner, proxier and ops server report through its methods.
 
@@ -347,6 +363,7 @@ class ProxyMetrics:
             " descriptors kept in reserve (RLIMIT_NOFILE)",
             registry=base,
         )
+        base.register(_ForbiddenAddressCollector())
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(base)
         self.registry.register(_PortCollector(self))

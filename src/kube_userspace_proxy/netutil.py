@@ -41,6 +41,45 @@ def ip_family(address: str) -> Family | None:
         return None
 
 
+def forbidden_kind(packed: bytes) -> str | None:
+    """Why a packed IPv4/IPv6 address may never be an endpoint or a VIP (None: it may).
+
+    The kinds kube-apiserver's endpoint validation rejects, plus multicast and broadcast:
+    loopback, link-local (169.254.0.0/16, the cloud metadata server included; fe80::/10),
+    unspecified. Dialing or capturing one of these would reach the node itself, not a pod.
+    An IPv4-mapped IPv6 address is judged by its IPv4 part (a dual-stack socket dials it).
+    """
+    if len(packed) == 16:
+        if packed[:12] == _V4_MAPPED:
+            packed = packed[12:]
+        elif packed == _V6_LOOPBACK:
+            return "loopback"
+        elif packed == bytes(16):
+            return "unspecified"
+        elif packed[0] == 0xFE and packed[1] & 0xC0 == 0x80:
+            return "link-local"
+        elif packed[0] == 0xFF:
+            return "multicast"
+        else:
+            return None
+    first = packed[0]
+    if first == 127:
+        return "loopback"
+    if first == 0:
+        return "unspecified"
+    if first == 169 and packed[1] == 254:
+        return "link-local"
+    if 224 <= first <= 239:
+        return "multicast"
+    if packed == b"\xff\xff\xff\xff":
+        return "broadcast"
+    return None
+
+
+_V4_MAPPED = bytes(10) + b"\xff\xff"
+_V6_LOOPBACK = bytes(15) + b"\x01"
+
+
 def is_ipv6(address: str) -> bool:
     """True for a valid IPv6 address."""
     return ip_family(address) == 6

@@ -7,7 +7,9 @@ Malformed naming the first one that is wrong; what to do about it is the caller'
 
 from __future__ import annotations
 
+import re
 import socket
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -39,6 +41,14 @@ _SERVICE_TYPES = frozenset({"ClusterIP", "NodePort", "LoadBalancer", "ExternalNa
 _PROTOCOLS = frozenset({"TCP", "UDP", "SCTP"})
 
 T = TypeVar("T")
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_MAX_SUBDOMAIN = 253
+
+forbidden_addresses: Counter[tuple[str, str, str]] = Counter()
+"""Addresses dropped because of their kind, by (object kind, field, kind of address); the
+metrics collector reads it at scrape time. Process-wide, like the default Prometheus registry."""
 
 
 class Malformed(ValueError):
@@ -125,6 +135,39 @@ def _ip(value: Any, where: str, version: int | None = None) -> str:
     return canonical
 
 
+def _forbidden(ip: str, obj_kind: str, field: str, *, loopback: bool = False) -> str | None:
+    """The kind of a canonical address that is never proxied (counted), or None."""
+    packed = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
+    kind = netutil.forbidden_kind(packed)
+    if kind == "loopback" and loopback:
+        return None
+    if kind is not None:
+        forbidden_addresses[(obj_kind, field, kind)] += 1
+    return kind
+
+
+def _usable_ip(
+    value: Any, where: str, obj_kind: str, key: Key, field: str, *, loopback: bool = False
+) -> str | None:
+    """`_ip(value)`, or None (logged and counted) when it is loopback, link-local, etc."""
+    ip = _ip(value, where)
+    kind = _forbidden(ip, obj_kind, field, loopback=loopback)
+    if kind is None:
+        return ip
+    log.warning("%s %s/%s: ignoring %s %s: a %s address is never proxied", obj_kind, *key,
+                where, ip, kind)  # fmt: skip
+    return None
+
+
+def _dns_label(value: str, where: str) -> str:
+    if not _DNS_LABEL.fullmatch(value):
+        raise Malformed(
+            f"{where}: {value[:80]!r} is not a DNS-1123 label (at most 63 characters:"
+            " lowercase letters, digits and '-', starting and ending alphanumeric)"
+        )
+    return value
+
+
 def _labels(meta: Mapping[str, Any]) -> Mapping[str, Any]:
     labels = _mapping(meta, "labels", "metadata.")
     for key, value in labels.items():
@@ -144,6 +187,10 @@ def object_key(obj: Any) -> Key:
         raise Malformed("metadata.name is missing")
     if not namespace:
         raise Malformed("metadata.namespace is missing")
+    # The API server enforces these; manifests must too, as names reach iptables comments.
+    _dns_label(namespace, "metadata.namespace")
+    if len(name) > _MAX_SUBDOMAIN or not _DNS_SUBDOMAIN.fullmatch(name):
+        raise Malformed(f"metadata.name: {name[:80]!r} is not a DNS-1123 subdomain")
     return (namespace, name)
 
 
@@ -190,6 +237,7 @@ def parse_service(
     """The service ports of a proxied Service, the names of its skipped SCTP ports, and the
     problems that do not stop it being proxied (each worth one warning)."""
     namespace, name = key
+    _dns_label(name, "metadata.name")  # a Service name is a label, not a subdomain
     spec = _mapping(obj, "spec", "")
     proxy_protocol, problems = _proxy_protocol(_mapping(obj, "metadata", ""))
     kind = _field(spec, "type", str, "spec.", "ClusterIP")
@@ -197,18 +245,24 @@ def parse_service(
     if not raw_ips:
         raw_ips = [_field(spec, "clusterIP", str, "spec.", "")]
     cluster_ips = tuple(_ip(ip, f"spec.clusterIPs[{i}]") for i, ip in enumerate(raw_ips))
-    external_ips = tuple(
-        _ip(ip, f"spec.externalIPs[{i}]")
-        for i, ip in enumerate(_items(spec, "externalIPs", "spec."))
-    )
-    ingress_ips = []
+    for i, ip in enumerate(cluster_ips):
+        if (bad := _forbidden(ip, "Service", "clusterIP")) is not None:
+            raise Malformed(f"spec.clusterIPs[{i}]: {ip} is a {bad} address")
+    external_ips: list[str] = []
+    for i, raw in enumerate(_items(spec, "externalIPs", "spec.")):
+        usable = _usable_ip(raw, f"spec.externalIPs[{i}]", "Service", key, "externalIP")
+        if usable is not None:
+            external_ips.append(usable)
+    ingress_ips: list[str] = []
     lb = _mapping(_mapping(obj, "status", ""), "loadBalancer", "status.")
     for i, ingress in enumerate(_items(lb, "ingress", "status.loadBalancer.")):
         where = f"status.loadBalancer.ingress[{i}]"
         if not isinstance(ingress, Mapping):
             raise Malformed(f"{where}: expected an object, got {ingress!r}")
         if ingress.get("ip"):  # hostname-only ingresses are for the cloud's DNS, not us
-            ingress_ips.append(_ip(ingress["ip"], f"{where}.ip"))
+            usable = _usable_ip(ingress["ip"], f"{where}.ip", "Service", key, "loadBalancerIP")
+            if usable is not None:
+                ingress_ips.append(usable)
 
     affinity = _field(spec, "sessionAffinity", str, "spec.", "None")
     if affinity not in {"None", "ClientIP"}:
@@ -243,6 +297,8 @@ def parse_service(
         if not isinstance(port, Mapping):
             raise Malformed(f"{where}: expected an object, got {port!r}")
         port_name = _field(port, "name", str, f"{where}.", "")
+        if port_name:
+            _dns_label(port_name, f"{where}.name")
         if port_name in seen:
             raise Malformed(f"{where}.name: duplicate port name {port_name!r}")
         seen.add(port_name)
@@ -262,7 +318,7 @@ def parse_service(
                 port=number,
                 cluster_ips=cluster_ips,
                 node_port=node_port if kind in _EXTERNALLY_ACCESSIBLE_TYPES else 0,
-                external_ips=external_ips,
+                external_ips=tuple(external_ips),
                 load_balancer_ips=tuple(ingress_ips),
                 client_ip_affinity=affinity == "ClientIP",
                 affinity_timeout_seconds=timeout,
@@ -310,8 +366,12 @@ class Skip(Exception):
         self.quiet = quiet
 
 
-def parse_slice(obj: Mapping[str, Any], key: Key) -> Slice:
-    """The ports and endpoints of one EndpointSlice; raises Skip or Malformed."""
+def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> Slice:
+    """The ports and endpoints of one EndpointSlice; raises Skip or Malformed.
+
+    Endpoints on addresses that are never proxied (`netutil.forbidden_kind`) are dropped, each
+    logged and counted; `loopback` lets loopback ones through (manifests for the demo, tests).
+    """
     meta = _mapping(obj, "metadata", "")
     service = _labels(meta).get(LABEL_SERVICE_NAME)
     if not service:
@@ -329,6 +389,8 @@ def parse_slice(obj: Mapping[str, Any], key: Key) -> Slice:
         if not isinstance(port, Mapping):
             raise Malformed(f"{where}: expected an object, got {port!r}")
         port_name = _field(port, "name", str, f"{where}.", "")
+        if port_name:
+            _dns_label(port_name, f"{where}.name")
         protocol = _field(port, "protocol", str, f"{where}.", "TCP")
         if protocol not in _PROTOCOLS:
             raise Malformed(f"{where}.protocol: unknown protocol {protocol!r}")
@@ -348,6 +410,11 @@ def parse_slice(obj: Mapping[str, Any], key: Key) -> Slice:
             raise Malformed(f"{where}.addresses is empty")
         # kube-proxy uses the first address only; the others are the same pod.
         ip = _ip(addresses[0], f"{where}.addresses[0]", version)
+        usable = _usable_ip(
+            ip, f"{where}.addresses[0]", "EndpointSlice", key, "endpoint", loopback=loopback
+        )
+        if usable is None:
+            continue
         conditions = _mapping(endpoint, "conditions", f"{where}.")
         cwhere = f"{where}.conditions."
         ready = _field(conditions, "ready", bool, cwhere, True)  # nil ready means ready

@@ -48,8 +48,10 @@ class ClusterState:
         node_name: str | None = None,
         service_proxy_name: str | None = None,
         on_change: Callable[[], None] = lambda: None,
+        loopback_endpoints: bool = False,
     ) -> None:
         self.node_name = node_name
+        self.loopback_endpoints = loopback_endpoints
         self.service_proxy_name = service_proxy_name
         self.on_change = on_change
         self.pending_service_changes = 0
@@ -265,7 +267,7 @@ class ClusterState:
 
     def _upsert_slice(self, key: Key, obj: Mapping[str, Any]) -> int:
         try:
-            parsed = parse_slice(obj, key)
+            parsed = parse_slice(obj, key, loopback=self.loopback_endpoints)
             self._rejected.pop(("EndpointSlice", key), None)
         except Skip as exc:
             if exc.quiet:

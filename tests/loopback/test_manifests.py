@@ -115,7 +115,7 @@ async def test_directory_of_yaml_yml_and_json_is_loaded(tmp_path: Path) -> None:
     write_yaml(tmp_path / "b.yml", {"apiVersion": "v1", "kind": "List", "items": [service("b")]})
     write(tmp_path / "c.json", json.dumps(service("c")))
     write(tmp_path / "notes.txt", "kind: Service\n")  # not a manifest suffix
-    state = ClusterState()
+    state = ClusterState(loopback_endpoints=True)
     await ManifestSource([tmp_path], state).load_once()
     snap = state.snapshot()
     assert {str(n) for n in snap.services} == {"default/a:http", "default/b:http", "default/c:http"}

@@ -41,6 +41,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from kube_userspace_proxy import logs
 from kube_userspace_proxy.model import Path, ProxiedPort, ServicePortName
 from kube_userspace_proxy.netutil import Family, ip_family, join_host_port
 
@@ -59,6 +60,14 @@ CHAINS: dict[str, tuple[str, ...]] = {
 }
 """Our chains per table, in the order they are declared."""
 OUR_CHAINS = frozenset(c for chains in CHAINS.values() for c in chains)
+
+log = logs.get(__name__)
+
+_SAFE_COMMENT = re.compile(r"[ !#-&(-\[\]-~]{1,255}")
+"""Printable ASCII without quotes or backslashes, at most 255 bytes (the kernel's comment
+limit is 256 with its NUL): nothing in a comment can end the quoted argument or the line of
+the `iptables-restore` input. The parser already holds names to DNS-1123; this is the last
+line of defence for whatever reaches a rule."""
 
 _WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 """Bind addresses meaning every local address (of the families `served_families` gives)."""
@@ -107,6 +116,8 @@ class Rule:
     _hash: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not _SAFE_COMMENT.fullmatch(self.comment):
+            raise ValueError(f"unsafe rule comment {self.comment[:80]!r}")
         # Rendered once: a sync compares tens of thousands of rules by their text.
         parts: list[str] = []
         if self.dst:
@@ -233,7 +244,11 @@ class _Renderer:
         rules = cache.get(pp)
         if rules is None:
             sub = _Renderer(self.s)
-            sub.port(pp)
+            try:
+                sub.port(pp)
+            except ValueError as exc:  # one bad port never fails the whole table's commit
+                log.error("no rules for service port %r: %s", str(pp.info.name)[:300], exc)
+                sub.rules = []
             rules = cache[pp] = sub.rules
             self.skipped += sub.skipped
         return rules
