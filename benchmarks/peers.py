@@ -134,7 +134,7 @@ MAX_PROXIED = 9400
 
 @dataclass
 class Peer:
-    """One way to the Service: its ClusterIPs, client address and (but for DNAT) processes."""
+    """One way to the Service: its ClusterIPs, client addresses and (but for DNAT) processes."""
 
     key: str
     label: str
@@ -345,7 +345,7 @@ class Run:
                 seen = bed.spread(peer.http, HTTP_PORT, 60)
                 return set(seen) == set(PODS)
 
-            wait_for(answered, f"{peer.key}: every pod answering ({seen})", timeout=30)
+            wait_for(answered, f"{peer.key}: every pod answering", timeout=30)
             out["spread"] = seen
             pids = peer.pids()
             if pids:
