@@ -1,4 +1,6 @@
-# kube-userspace-proxy node image: `docker build -t kube-userspace-proxy:0.1.0 .`
+# kube-userspace-proxy node image: `docker build -t kube-userspace-proxy:VERSION .`, VERSION
+# being src/kube_userspace_proxy/__init__.py's __version__ (the one place it is written; the
+# chart's appVersion is checked against it by tests/unit/test_packaging.py).
 #
 # Build stage: python-iptables has a small C extension (and no wheels), so wheels for the
 # package and all its dependencies are built here, with a compiler the final image does not carry.
@@ -7,9 +9,10 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md LICENSE ./
+COPY pyproject.toml README.md LICENSE constraints.txt ./
 COPY src ./src
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# constraints.txt pins every package (direct and indirect): a rebuild gets what was tested.
+RUN pip wheel --no-cache-dir --wheel-dir /wheels -c constraints.txt .
 
 FROM python:3.11-slim
 LABEL org.opencontainers.image.title="kube-userspace-proxy" \

@@ -54,7 +54,9 @@ def lookup(values: Mapping[str, Any], dotted: str) -> Any:
 
 def simple_render(text: str, values: Mapping[str, Any] = VALUES) -> str:
     """Just enough of Helm for flat templates: drop control lines, fill `{{ .Values.x }}`."""
-    control = re.compile(r"^\s*\{\{-?\s*(if|end|with|range|else|include|toYaml|\$)\b.*\}\}\s*$")
+    control = re.compile(
+        r"^\s*\{\{-?\s*(if|end|with|range|else|include|toYaml|fail|\$)\b.*\}\}\s*$"
+    )
     lines = [line for line in text.splitlines() if not control.match(line)]
     out = "\n".join(lines)
     out = re.sub(
@@ -321,6 +323,8 @@ MONITORING_VALUES = {
 
 def render(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
     assert HELM is not None
+    if not values.get("apiServer", {}).get("host") and not values.get("kubeconfig"):
+        values = {**values, **KIND_VALUES}  # the chart needs one way to the API server
     objects = [yaml.safe_load(doc) for doc in HELM[0](values)]
     return {obj["kind"]: obj for obj in objects if obj}
 
@@ -453,3 +457,26 @@ def test_myapp_is_three_replicas_behind_a_cluster_ip_service() -> None:
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["image"].startswith("nginx")
     assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["containerPort"]
+
+
+@needs_helm
+def test_helm_refuses_to_render_without_a_way_to_the_api_server() -> None:
+    assert HELM is not None
+    with pytest.raises(RuntimeError, match=r"set apiServer\.host .* or kubeconfig\.configMap"):
+        HELM[0]({})
+
+
+@needs_helm
+def test_helm_renders_extra_volumes_and_kubeadms_kubeconfig() -> None:
+    values = {
+        "kubeconfig": {"configMap": "kube-proxy"},
+        "extraVolumes": [{"name": "certs", "hostPath": {"path": "/etc/pki"}}],
+        "extraVolumeMounts": [{"name": "certs", "mountPath": "/etc/pki", "readOnly": True}],
+        "extraArgs": ["--metrics-per-service-port=false"],
+    }
+    pod = render(values)["DaemonSet"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert {"name": "certs", "hostPath": {"path": "/etc/pki"}} in pod["volumes"]
+    assert {"name": "certs", "mountPath": "/etc/pki", "readOnly": True} in container["volumeMounts"]
+    assert "--kubeconfig=/var/lib/kube-proxy/kubeconfig.conf" in container["args"]
+    assert "--metrics-per-service-port=false" in container["args"]
