@@ -1,18 +1,27 @@
 """Data-plane throughput and connection rate through TcpListener vs direct, on 127.0.0.1.
 
-One run, its own backends, bounded in bytes, rounds and seconds. Three processes: this one (the
-clients), a backend process, and a proxy process per mode (splice on, splice off). Reports:
+One run, its own backends, bounded in bytes, rounds and seconds. Processes: this one (the
+clients), a backend process, and a proxy process per mode (splice on, splice off; with
+`--baseline SRC` the same modes again from another checkout's `src`, e.g. today's main, so
+before and after are measured side by side). Reports:
 
-  (a) bulk: `--bytes` (default 1 GiB) sent client -> backend, direct and through the proxy;
-      throughput, ratio to direct, and the proxy's CPU seconds per GiB (from /proc).
+  (a) bulk: `--bytes` (default 1 GiB; 0 skips it) sent client -> backend, direct and through
+      the proxy; throughput, ratio to direct, and the proxy's CPU seconds per GiB (from /proc).
   (b) connections per second: each connection connects, sends a 16-byte request, reads the
       reply, closes; `--concurrency` clients for `--seconds`; rate and ratio to direct, and the
       proxy's CPU microseconds per connection.
+  (c) keep-alive requests per second: `--concurrency` connections each sending a 16-byte
+      request and waiting for its reply, again and again, for `--seconds`; rate, ratio to
+      direct, and the proxy's CPU microseconds per request.
 
-Each figure is the median of `--rounds` interleaved rounds.
+Each figure is the median of `--rounds` interleaved rounds; `sys` is the share of the proxy's
+CPU time spent in the kernel. `--profile DIR` records each proxy process with py-spy (the
+`bench` extra) over the whole run, as collapsed stacks (DIR/PATH.txt, for flamegraph.pl or
+speedscope).
 
     .venv/bin/python benchmarks/loopback.py [--bytes 1073741824] [--seconds 2] [--rounds 3]
-        [--concurrency 32] [--loop uvloop|asyncio] [--modes splice,copy] [--json]
+        [--concurrency 32] [--loop uvloop|asyncio] [--modes splice,copy,haproxy]
+        [--baseline /tmp/base/src] [--profile DIR] [--json]
 """
 
 from __future__ import annotations
@@ -22,9 +31,11 @@ import asyncio
 import contextlib
 import json
 import multiprocessing as mp
+import operator
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -37,13 +48,12 @@ from typing import Any
 
 import uvloop
 
-from kube_userspace_proxy.dataplane import ConnStats, TcpListener
-
 REQUEST = b"GET /small 16 B\n"
 REPLY = b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"
 CHUNK = 4 << 20
 GiB = 1 << 30
 MAX_CONNECTIONS = 200_000  # per path, on top of the time bound
+MAX_REQUESTS = 1_000_000  # per keep-alive connection, on top of the time bound
 
 
 def _run(main: Any, loop_kind: str) -> None:
@@ -55,9 +65,16 @@ def _run(main: Any, loop_kind: str) -> None:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, from /proc/PID/stat."""
+    user, system = cpu_split(pid)
+    return user + system
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, from /proc/PID/stat."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 # --- backend process
@@ -87,6 +104,16 @@ class _Reply(asyncio.Protocol):
         self.transport.close()
 
 
+class _KeepAlive(asyncio.Protocol):
+    """One reply per request, connection kept open (requests are sent one at a time)."""
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(REPLY * (len(data) // len(REQUEST)))
+
+
 def backend_main(conn: Connection, loop_kind: str) -> None:
     """Sink (blocking threads, C-speed recv_into) and request/reply (uvloop Protocol)."""
     sink = socket.create_server(("127.0.0.1", 0), backlog=4096)
@@ -95,7 +122,14 @@ def backend_main(conn: Connection, loop_kind: str) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         server = await loop.create_server(_Reply, "127.0.0.1", 0, backlog=4096)
-        conn.send({"sink": sink.getsockname()[:2], "rr": server.sockets[0].getsockname()[:2]})
+        ka = await loop.create_server(_KeepAlive, "127.0.0.1", 0, backlog=4096)
+        conn.send(
+            {
+                "sink": sink.getsockname()[:2],
+                "rr": server.sockets[0].getsockname()[:2],
+                "ka": ka.sockets[0].getsockname()[:2],
+            }
+        )
         with contextlib.suppress(EOFError):  # the parent went away
             await loop.run_in_executor(None, conn.recv)
 
@@ -109,6 +143,7 @@ class _Fixed:
     def __init__(self, address: tuple[str, int]) -> None:
         self.address = address
         self.addresses = (address,)
+        self.proxy_protocol = 0
 
     def pick(self, client_ip: str, *, retry: bool = False) -> tuple[str, int] | None:
         return self.address
@@ -120,10 +155,21 @@ class _Fixed:
         return True
 
 
-def proxy_main(
-    conn: Connection, backends: dict[str, tuple[str, int]], splice: bool, loop_kind: str
+def proxy_main(  # noqa: PLR0917 - multiprocessing passes arguments by position
+    conn: Connection,
+    backends: dict[str, tuple[str, int]],
+    splice: bool,
+    loop_kind: str,
+    src: str | None = None,
+    keepalive: float | None = None,
 ) -> None:
-    """One TcpListener per backend; sends back {name: proxy port}; runs until told to stop."""
+    """One TcpListener per backend; sends back {name: proxy port}; runs until told to stop.
+
+    `src`: import the proxy from this source tree (a baseline checkout) instead.
+    """
+    if src is not None:
+        sys.path.insert(0, src)
+    from kube_userspace_proxy.dataplane import ConnStats, TcpListener
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -132,7 +178,8 @@ def proxy_main(
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", 0))
-            listener = TcpListener(sock, _Fixed(address), ConnStats(), splice=splice)
+            extra = {} if keepalive is None else {"keepalive": keepalive}
+            listener = TcpListener(sock, _Fixed(address), ConnStats(), splice=splice, **extra)
             await listener.start()
             listeners[name] = listener
         conn.send({name: lst.port for name, lst in listeners.items()})
@@ -253,12 +300,67 @@ async def _cps(port: int, seconds: float, concurrency: int) -> tuple[int, float,
     return done, loop.time() - started, errors
 
 
-def cps(port: int, seconds: float, concurrency: int, loop_kind: str) -> tuple[float, int, int]:
-    """Connections per second (connect, request, reply, close): (rate, count, errors)."""
+class _Ping(asyncio.Protocol):
+    """Request, wait for the whole reply, request again, until the deadline."""
+
+    def __init__(self, deadline: float, done: asyncio.Future[int]) -> None:
+        self.deadline = deadline
+        self.done = done
+        self.count = 0
+        self.got = 0
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        transport.write(REQUEST)
+
+    def data_received(self, data: bytes) -> None:
+        self.got += len(data)
+        if self.got < len(REPLY):
+            return
+        self.got -= len(REPLY)
+        self.count += 1
+        if self.count < MAX_REQUESTS and time.monotonic() < self.deadline:
+            self.transport.write(REQUEST)
+        else:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(self.count)
+
+
+async def _keepalive(port: int, seconds: float, concurrency: int) -> tuple[int, float, int]:
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + seconds
+    futures: list[asyncio.Future[int]] = []
+    errors = 0
+    started = loop.time()
+    for _ in range(concurrency):
+        fut: asyncio.Future[int] = loop.create_future()
+        try:
+            await loop.create_connection(lambda: _Ping(deadline, fut), "127.0.0.1", port)  # noqa: B023
+        except OSError:
+            errors += 1
+            continue
+        futures.append(fut)
+    async with asyncio.timeout(seconds + 10):
+        counts = await asyncio.gather(*futures)
+    return sum(counts), loop.time() - started, errors
+
+
+def cps(
+    port: int, seconds: float, concurrency: int, loop_kind: str, *, keepalive: bool = False
+) -> tuple[float, int, int]:
+    """Connections per second (connect, request, reply, close): (rate, count, errors).
+
+    `keepalive`: requests per second over `concurrency` long-lived connections instead.
+    """
     result: list[tuple[int, float, int]] = []
 
     async def main() -> None:
-        result.append(await _cps(port, seconds, concurrency))
+        run = _keepalive if keepalive else _cps
+        result.append(await run(port, seconds, concurrency))
 
     _run(main(), loop_kind)
     done, elapsed, errors = result[0]
@@ -292,9 +394,19 @@ def stop(proc: mp.process.BaseProcess, conn: Connection) -> Any:
     return reply
 
 
+def start_profiler(pid: int, path: str) -> subprocess.Popen[bytes] | None:
+    """py-spy recording `pid` as collapsed stacks into `path` until it is stopped."""
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(exe):
+        print("py-spy not found (pip install -e '.[bench]'): no profile", file=sys.stderr)
+        return None
+    args = [exe, "record", "--pid", str(pid), "--format", "raw", "--output", path]
+    return subprocess.Popen([*args, "--rate", "250", "--nonblocking"], stdout=subprocess.DEVNULL)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bytes", type=int, default=GiB, help="bulk size (default 1 GiB)")
+    parser.add_argument("--bytes", type=int, default=GiB, help="bulk size (default 1 GiB; 0: none)")
     parser.add_argument("--seconds", type=float, default=2.0, help="per cps run (default 2)")
     parser.add_argument("--concurrency", type=int, default=32, help="cps clients (default 32)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
@@ -304,9 +416,25 @@ def main() -> int:
         default="splice,copy,haproxy",
         help="paths besides direct: splice, copy (our proxy), haproxy (reference, if installed)",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="SRC",
+        help="also run the splice/copy modes from this source tree (e.g. a checkout of main)",
+    )
+    parser.add_argument(
+        "--keepalive",
+        type=float,
+        metavar="SECONDS",
+        help="TCP keepalive of our proxy (default: the listener's; 0: off); not the baseline's",
+    )
+    parser.add_argument("--profile", metavar="DIR", help="py-spy each proxy into DIR/PATH.txt")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
+    if not 1 <= args.rounds <= 20 or not 0.5 <= args.seconds <= 60:
+        parser.error("--rounds must be 1..20 and --seconds 0.5..60")
+    if not 1 <= args.concurrency <= 1000 or not 0 <= args.bytes <= 16 * GiB:
+        parser.error("--concurrency must be 1..1000 and --bytes 0..16 GiB")
 
     tmp = tempfile.mkdtemp(prefix="kup-bench-")
     backend, backend_conn, addresses = start(backend_main, args.loop)
@@ -322,9 +450,11 @@ def main() -> int:
         "bytes": args.bytes,
         "seconds": args.seconds,
         "concurrency": args.concurrency,
+        "baseline": args.baseline,
         "paths": {},
     }
     proxies: dict[str, tuple[mp.process.BaseProcess, Connection]] = {}
+    profilers: list[subprocess.Popen[bytes]] = []
     haproxy: subprocess.Popen[bytes] | None = None
     try:
         paths: dict[str, dict[str, int]] = {"direct": {k: v[1] for k, v in addresses.items()}}
@@ -337,38 +467,73 @@ def main() -> int:
                 haproxy, ports = start_haproxy(addresses, tmp)
                 paths["haproxy"], pids["haproxy"] = ports, haproxy.pid
                 continue
-            proc, conn, ports = start(proxy_main, addresses, mode == "splice", args.loop)
-            proxies[mode] = (proc, conn)
-            paths[f"proxy-{mode}"], pids[f"proxy-{mode}"] = ports, proc.pid
+            trees = [("proxy", None)] + ([("base", args.baseline)] if args.baseline else [])
+            for label, src in trees:
+                keepalive = args.keepalive if src is None else None  # main has no such setting
+                proc, conn, ports = start(
+                    proxy_main, addresses, mode == "splice", args.loop, src, keepalive
+                )
+                name = f"{label}-{mode}"
+                proxies[name] = (proc, conn)
+                paths[name], pids[name] = ports, proc.pid
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
+            for name, (proc, _) in proxies.items():
+                assert proc.pid is not None
+                prof = start_profiler(proc.pid, os.path.join(args.profile, f"{name}.txt"))
+                if prof is not None:
+                    profilers.append(prof)
         samples: dict[str, dict[str, list[float]]] = {name: {} for name in paths}
+        split0 = {name: cpu_split(pid) for name, pid in pids.items() if pid}
         # Rounds interleave the paths so that load from elsewhere on the machine hits all alike.
         for _ in range(args.rounds):
             for name, ports in paths.items():
                 pid = pids[name]
                 got = samples[name]
                 cpu0 = cpu_seconds(pid) if pid else 0.0
-                secs = bulk(ports["sink"], args.bytes)
-                got.setdefault("bulk_gbit_s", []).append(args.bytes * 8 / secs / 1e9)
-                if pid:
-                    cpu = cpu_seconds(pid) - cpu0
-                    got.setdefault("proxy_cpu_s_per_gib", []).append(cpu / (args.bytes / GiB))
-                    cpu0 = cpu_seconds(pid)
+                if args.bytes:
+                    secs = bulk(ports["sink"], args.bytes)
+                    got.setdefault("bulk_gbit_s", []).append(args.bytes * 8 / secs / 1e9)
+                    if pid:
+                        cpu = cpu_seconds(pid) - cpu0
+                        got.setdefault("proxy_cpu_s_per_gib", []).append(cpu / (args.bytes / GiB))
+                        cpu0 = cpu_seconds(pid)
                 rate, count, errors = cps(ports["rr"], args.seconds, args.concurrency, args.loop)
                 got.setdefault("cps", []).append(rate)
                 got.setdefault("errors", []).append(errors)
                 if pid and count:
                     cpu = cpu_seconds(pid) - cpu0
                     got.setdefault("proxy_cpu_us_per_conn", []).append(cpu / count * 1e6)
+                    cpu0 = cpu_seconds(pid)
+                rate, count, errors = cps(
+                    ports["ka"], args.seconds, args.concurrency, args.loop, keepalive=True
+                )
+                got.setdefault("ka", []).append(rate)
+                got["errors"][-1] += errors
+                if pid and count:
+                    cpu = cpu_seconds(pid) - cpu0
+                    got.setdefault("proxy_cpu_us_per_req", []).append(cpu / count * 1e6)
+        for name, pid in pids.items():
+            if pid:  # the share of the proxy's CPU time spent in the kernel (syscalls)
+                user, system = map(operator.sub, cpu_split(pid), split0[name])
+                samples[name]["system_share"] = [system / max(user + system, 1e-9)]
         for name, got in samples.items():
             entry: dict[str, Any] = {k: statistics.median(v) for k, v in got.items()}
             entry["errors"] = sum(got["errors"])
             entry["samples"] = got
             results["paths"][name] = entry
     finally:
-        for mode, (proc, conn) in proxies.items():
+        for prof in profilers:
+            prof.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+            try:
+                prof.wait(20)
+            except subprocess.TimeoutExpired:
+                prof.kill()
+                prof.wait()
+        for name, (proc, conn) in proxies.items():
             spliced = stop(proc, conn)
-            if f"proxy-{mode}" in results["paths"]:
-                results["paths"][f"proxy-{mode}"]["spliced_directions"] = spliced
+            if name in results["paths"]:
+                results["paths"][name]["spliced_directions"] = spliced
         if haproxy is not None:
             haproxy.terminate()  # our own child, by its handle
             try:
@@ -382,8 +547,10 @@ def main() -> int:
     results["machine"]["loadavg_after"] = os.getloadavg()[0]
     direct = results["paths"]["direct"]
     for entry in results["paths"].values():
-        entry["bulk_ratio"] = entry["bulk_gbit_s"] / direct["bulk_gbit_s"]
+        if args.bytes:
+            entry["bulk_ratio"] = entry["bulk_gbit_s"] / direct["bulk_gbit_s"]
         entry["cps_ratio"] = entry["cps"] / direct["cps"] if direct["cps"] else 0.0
+        entry["ka_ratio"] = entry["ka"] / direct["ka"] if direct["ka"] else 0.0
     if args.json:
         json.dump(results, sys.stdout, indent=2)
         print()
@@ -392,21 +559,46 @@ def main() -> int:
     print(
         f"{m['cpus']} CPUs, Linux {m['kernel']}, Python {m['python']}, loop {m['loop']}"
         f" (uvloop {m['uvloop']}); bulk {args.bytes / GiB:g} GiB;"
-        f" cps {args.concurrency} clients x {args.seconds:g} s; medians of {args.rounds} rounds;"
+        f" cps and keep-alive {args.concurrency} clients x {args.seconds:g} s;"
+        f" medians of {args.rounds} rounds;"
         f" load average {m['loadavg_before']:.1f} -> {m['loadavg_after']:.1f}"
+        + (f"; base = {args.baseline}" if args.baseline else "")
     )
     print(
-        f"{'path':<14} {'bulk Gbit/s':>11} {'ratio':>6} {'proxy CPU s/GiB':>16}"
-        f" {'conn/s':>8} {'ratio':>6} {'proxy CPU us/conn':>18} {'errors':>6}"
+        f"{'path':<12} {'bulk Gbit/s':>11} {'ratio':>5} {'CPU s/GiB':>9}"
+        f" {'conn/s':>7} {'ratio':>5} {'CPU us/conn':>11}"
+        f" {'req/s':>7} {'ratio':>5} {'CPU us/req':>10} {'sys':>4} {'errors':>6}"
     )
+
+    def fmt(e: dict[str, Any], key: str, spec: str) -> str:
+        return f"{e[key]:{spec}}" if key in e else "-"
+
     for name, e in results["paths"].items():
-        cpu_gib = f"{e['proxy_cpu_s_per_gib']:.2f}" if "proxy_cpu_s_per_gib" in e else "-"
-        cpu_conn = f"{e['proxy_cpu_us_per_conn']:.0f}" if "proxy_cpu_us_per_conn" in e else "-"
         print(
-            f"{name:<14} {e['bulk_gbit_s']:>11.2f} {e['bulk_ratio']:>6.2f} {cpu_gib:>16}"
-            f" {e['cps']:>8.0f} {e['cps_ratio']:>6.2f} {cpu_conn:>18} {e['errors']:>6}"
+            f"{name:<12} {fmt(e, 'bulk_gbit_s', '.2f'):>11} {fmt(e, 'bulk_ratio', '.2f'):>5}"
+            f" {fmt(e, 'proxy_cpu_s_per_gib', '.2f'):>9}"
+            f" {e['cps']:>7.0f} {e['cps_ratio']:>5.2f} {fmt(e, 'proxy_cpu_us_per_conn', '.0f'):>11}"
+            f" {e['ka']:>7.0f} {e['ka_ratio']:>5.2f} {fmt(e, 'proxy_cpu_us_per_req', '.1f'):>10}"
+            f" {fmt(e, 'system_share', '.2f'):>4} {e['errors']:>6}"
         )
+    print_ratios(results["paths"])
     return 0
+
+
+def print_ratios(paths: dict[str, Any]) -> None:
+    """Proxy CPU per connection and per request of each proxy path, as ratios to the others."""
+    keys = (("proxy_cpu_us_per_conn", "CPU/conn"), ("proxy_cpu_us_per_req", "CPU/req"))
+    for ours in (n for n in paths if n.startswith("proxy-")):
+        for other in (n for n in paths if n.startswith("base-") or n == "haproxy"):
+            if other.startswith("base-") and other[5:] != ours[6:]:
+                continue
+            parts = [
+                f"{label} {paths[ours][key] / paths[other][key]:.2f}x"
+                for key, label in keys
+                if paths[ours].get(key) and paths[other].get(key)
+            ]
+            if parts:
+                print(f"{ours} vs {other}: " + ", ".join(parts))
 
 
 if __name__ == "__main__":

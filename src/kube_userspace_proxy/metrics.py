@@ -52,7 +52,10 @@ FIELDS = (
     "udp_sessions_total",
     "udp_datagrams_in",
     "udp_datagrams_out",
-    "udp_dropped",
+    "udp_dropped_table_full",
+    "udp_dropped_send_failed",
+    "udp_dropped_no_descriptors",
+    "no_descriptors",
 )
 """The ConnStats fields metrics reads, in the order of a captured row."""
 
@@ -146,10 +149,24 @@ PORT_FAMILIES: tuple[PortFamily, ...] = (
     PortFamily(
         PREFIX + "udp_dropped_total",
         "counter",
-        "UDP datagrams dropped by the proxy (session table full, send error).",
+        "UDP datagrams dropped by the proxy, by reason: table_full (no room for a new"
+        " client's session), send_failed (the backend socket refused it), no_descriptors.",
         Protocol.UDP,
+        "reason",
+        (
+            ("table_full", "udp_dropped_table_full"),
+            ("send_failed", "udp_dropped_send_failed"),
+            ("no_descriptors", "udp_dropped_no_descriptors"),
+        ),
+    ),
+    PortFamily(
+        PREFIX + "no_descriptors_total",
+        "counter",
+        "Accepts, dials and UDP session sockets that failed because the process was out of"
+        " file descriptors (EMFILE, ENFILE) or socket memory.",
+        None,
         "",
-        (("", "udp_dropped"),),
+        (("", "no_descriptors"),),
     ),
     PortFamily(
         PREFIX + "udp_refused_total",

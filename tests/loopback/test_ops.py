@@ -251,7 +251,8 @@ async def test_connection_counters_are_read_from_conn_stats_at_scrape_time(ops: 
 
 async def test_udp_ports_report_sessions_and_datagrams(ops: Ops) -> None:
     stats = ConnStats(udp_sessions_active=1, udp_sessions_total=3, udp_datagrams_in=7)
-    stats.udp_datagrams_out, stats.udp_dropped, stats.refused_no_endpoints = 6, 1, 2
+    stats.udp_datagrams_out, stats.udp_dropped_table_full, stats.refused_no_endpoints = 6, 1, 2
+    stats.udp_dropped_send_failed, stats.no_descriptors = 4, 5
     ops.proxy.stats[DNS] = [stats]
     text = await ops.scrape()
     labels = {"service_port": "kube-system/kube-dns:dns", "protocol": "UDP"}
@@ -266,7 +267,11 @@ async def test_udp_ports_report_sessions_and_datagrams(ops: Ops) -> None:
         sample_value(text, p + "udp_datagrams_total", {**labels, "direction": "backend_to_client"})
         == 6
     )
-    assert sample_value(text, p + "udp_dropped_total", labels) == 1
+    dropped = p + "udp_dropped_total"
+    assert sample_value(text, dropped, {**labels, "reason": "table_full"}) == 1
+    assert sample_value(text, dropped, {**labels, "reason": "send_failed"}) == 4
+    assert sample_value(text, dropped, {**labels, "reason": "no_descriptors"}) == 0
+    assert sample_value(text, p + "no_descriptors_total", labels) == 5
     assert sample_value(text, p + "udp_refused_total", labels) == 2
     assert conn(text, "accepted", DNS) is None  # no TCP connection series for a UDP port
 
@@ -319,8 +324,8 @@ async def test_fast_metrics_text_matches_the_registry(ops: Ops) -> None:
         }
 
     assert port_samples(served) == port_samples(registry_text)
-    # 11 TCP + 7 UDP series + proxy_ports + service_ports_over_descriptor_budget
-    assert len(port_samples(served)) == 20
+    # 12 TCP + 10 UDP series + proxy_ports + service_ports_over_descriptor_budget
+    assert len(port_samples(served)) == 24
 
 
 # -- binding -------------------------------------------------------------------------------

@@ -403,7 +403,7 @@ async def test_a_listener_holds_one_descriptor_whether_refusing_or_listening(
     for picker, listener in zip(pickers, listeners, strict=True):
         picker.endpoints.append(backend.address)
         listener.refresh()
-    await eventually(lambda: all(lst._server is not None for lst in listeners), what="served")
+    await eventually(lambda: all(lst.accepting for lst in listeners), what="served")
     assert open_fds() - before == 20  # listening: the reservation is the listener
     assert await ask_name(listeners[0].port) == "a"
     for picker, listener in zip(pickers, listeners, strict=True):
@@ -418,12 +418,13 @@ async def test_a_listener_holds_one_descriptor_whether_refusing_or_listening(
         stranger.bind(("127.0.0.1", listeners[1].port))
 
 
-async def test_failure_to_stop_listening_is_logged_and_retried_by_the_next_refresh(
+async def test_stopping_listening_needs_no_descriptor(
     tcp_backends: Backends,
     tcp_listener: Listeners,
     round_robin: Any,
-    eventually: Eventually,
 ) -> None:
+    # The listener accepts from its own socket: refusing again is a shutdown(SHUT_RD) of it,
+    # with no duplicate descriptor to keep the port, so it works out of descriptors too.
     backend = await tcp_backends("name", "a")
     picker = round_robin(backend.address)
     listener = await tcp_listener(picker)
@@ -434,24 +435,14 @@ async def test_failure_to_stop_listening_is_logged_and_retried_by_the_next_refre
     tcp_log.addHandler(captured)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))  # dup() fails with EMFILE
+        resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))  # any new descriptor: EMFILE
         try:
             listener.refresh()
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     finally:
         tcp_log.removeHandler(captured)
-    errors = [r for r in captured.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1
-    assert "cannot stop listening" in errors[0].getMessage()
-    # Still accepting, but no connection reaches a backend: there are no endpoints.
-    assert listener.accepting
-    try:
-        answer = await ask_name(listener.port)
-    except ConnectionError:
-        answer = ""  # reset
-    assert answer != "a"
-    listener.refresh()
+    assert not [r for r in captured.records if r.levelno >= logging.WARNING]
     assert not listener.accepting
     with pytest.raises(ConnectionRefusedError):
         connect_blocking(listener.port)

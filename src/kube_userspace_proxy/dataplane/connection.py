@@ -5,6 +5,10 @@ dial: `loop.create_connection` is a coroutine). Bytes are copied by `data_receiv
 `write` with high-water marks pausing the other side; a direction whose reads keep coming back
 large switches to zero-copy `os.splice` (see splice.py). EOF is passed on with `write_eof`
 (half-close); an error or reset on one side resets the other (RST, not FIN).
+
+A connection gets its listener's `Settings` (frozen) and `Shared` state (picker, counters,
+the set of open connections), as uvicorn's protocols get a config and a server state; it
+never sees the listener itself.
 """
 
 from __future__ import annotations
@@ -15,14 +19,13 @@ import os
 import socket
 import struct
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.dataplane import proxyproto
 from kube_userspace_proxy.dataplane import splice as splicing
-
-if TYPE_CHECKING:
-    from kube_userspace_proxy.dataplane.tcp import TcpListener
+from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, notices
 
 log = logs.get(__name__)
 
@@ -33,23 +36,61 @@ SPLICE_AFTER_READS = 4
 _LINGER_RESET = struct.pack("ii", 1, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What every connection of one listener is configured with (fixed for its lifetime)."""
+
+    name: str
+    dial_timeouts: tuple[float, ...]
+    high_water: int
+    low_water: int
+    keepalive: tuple[tuple[int, int, int], ...] = ()
+    """setsockopt (level, option, value) triples for dialed sockets; () = keepalive off."""
+    log_connections: bool = False
+    """Per-connection DEBUG lines: decided once per listener, not per connection."""
+
+
+class Shared:
+    """A listener's state that its connections read and update (uvicorn's ServerState)."""
+
+    __slots__ = ("conns", "idle", "loop", "picker", "splice", "stats")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, picker: Picker, stats: ConnStats, splice: bool
+    ) -> None:
+        self.loop = loop
+        self.picker = picker
+        self.stats = stats
+        self.splice = splice  # cleared for good once splice(2) proves unusable here
+        self.conns: set[Connection] = set()
+        self.idle: asyncio.Future[None] | None = None  # set while drain() waits
+
+
 class BackendSide(asyncio.Protocol):
-    """The backend side of a connection: forwards to the client side it belongs to."""
+    """The backend side of a connection: forwards to the client side it belongs to.
+
+    It is its own protocol factory (`__call__` returns itself): a dial allocates no closure.
+    """
 
     __slots__ = ("client", "transport", "write_paused")
 
+    transport: asyncio.Transport
+
     def __init__(self, client: Connection) -> None:
         self.client = client
-        self.transport: Any = None
         self.write_paused = False
 
-    def connection_made(self, transport: Any) -> None:
+    def __call__(self) -> BackendSide:
+        return self
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.transport = transport
-        transport.set_write_buffer_limits(self.client.lst.high_water, self.client.lst.low_water)
+        settings = self.client.settings
+        transport.set_write_buffer_limits(settings.high_water, settings.low_water)
 
     def data_received(self, data: bytes) -> None:
         c = self.client
-        c.lst.stats.bytes_out += len(data)
+        c.stats.bytes_out += len(data)
         c.transport.write(data)
         if c.splicing and len(data) >= SPLICE_MIN_READ:
             c.big_out += 1
@@ -96,20 +137,25 @@ class Connection(asyncio.Protocol):
         "dial",
         "fds",
         "in_done",
-        "lst",
         "out_done",
         "pending",
         "pending_size",
         "pump_in",
         "pump_out",
+        "settings",
+        "shared",
         "splicing",
+        "stats",
         "timed_out",
         "transport",
     )
 
-    def __init__(self, lst: TcpListener) -> None:
-        self.lst = lst  # the listener's settings, picker, stats and connection set
-        self.transport: Any = None
+    transport: asyncio.Transport
+
+    def __init__(self, settings: Settings, shared: Shared) -> None:
+        self.settings = settings
+        self.shared = shared
+        self.stats = shared.stats  # read on every chunk: one attribute hop, not two
         self.backend: BackendSide | None = None
         self.pending: deque[bytes] | None = deque()
         self.pending_size = 0
@@ -117,24 +163,40 @@ class Connection(asyncio.Protocol):
         self.out_done = False  # backend -> client finished
         self.dial: asyncio.Task[None] | None = None
         self.timed_out = False
-        self.splicing = lst.splice
+        self.splicing = shared.splice
         self.big_in = 0
         self.big_out = 0
         self.pump_in: splicing.SplicePump | None = None
         self.pump_out: splicing.SplicePump | None = None
         self.fds: tuple[int, int] | None = None
 
+    def start(self, sock: socket.socket, client_ip: str) -> None:
+        """Serve an accepted client socket: one task wraps it in a transport, then dials."""
+        self.dial = self.shared.loop.create_task(self._serve(sock, client_ip))
+
+    def __call__(self) -> Connection:
+        return self  # its own protocol factory, as BackendSide
+
+    async def _serve(self, sock: socket.socket, client_ip: str) -> None:
+        try:
+            await self.shared.loop.connect_accepted_socket(self, sock)
+        except OSError as exc:  # e.g. the loop could not register the socket
+            sock.close()
+            self.dial = None
+            log.debug("%s: cannot serve an accepted connection: %r", self.settings.name, exc)
+            return
+        await self._dial(client_ip)
+
     # --- client transport callbacks
 
-    def connection_made(self, transport: Any) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.transport = transport
-        lst = self.lst
-        lst.stats.accepted += 1
-        lst.stats.active += 1
-        lst.conns.add(self)
-        transport.set_write_buffer_limits(lst.high_water, lst.low_water)
-        peer = transport.get_extra_info("peername")  # None if the client is already gone
-        self.dial = lst.loop.create_task(self._dial(peer[0] if peer else ""))
+        stats = self.stats
+        stats.accepted += 1
+        stats.active += 1
+        self.shared.conns.add(self)
+        settings = self.settings
+        transport.set_write_buffer_limits(settings.high_water, settings.low_water)
 
     def data_received(self, data: bytes) -> None:
         b = self.backend
@@ -144,10 +206,10 @@ class Connection(asyncio.Protocol):
                 return
             pending.append(data)
             self.pending_size += len(data)
-            if self.pending_size >= self.lst.high_water:
+            if self.pending_size >= self.settings.high_water:
                 self.transport.pause_reading()
             return
-        self.lst.stats.bytes_in += len(data)
+        self.stats.bytes_in += len(data)
         b.transport.write(data)
         if self.splicing and len(data) >= SPLICE_MIN_READ:
             self.big_in += 1
@@ -177,44 +239,49 @@ class Connection(asyncio.Protocol):
             b.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        lst = self.lst
-        lst.stats.active -= 1
-        lst.conns.discard(self)
+        shared = self.shared
+        self.stats.active -= 1
+        conns = shared.conns
+        conns.discard(self)
         if self.dial is not None:
             self.dial.cancel()
             self.dial = None
         b = self.backend
         if b is not None:
-            lst.stats.completed += 1
-            if lst.log_connections:
-                log.debug("%s: %s closed (%s)", lst.name, _peer(self.transport), exc or "normal")
+            self.stats.completed += 1
+            if self.settings.log_connections:
+                log.debug(
+                    "%s: %s closed (%s)", self.settings.name, _peer(self.transport), exc or "normal"
+                )
             if not b.transport.is_closing():
                 if exc is None and self.in_done and self.out_done:
                     b.transport.close()
                 else:
                     _reset(b.transport)
-        self._stop_pumps()
-        if not lst.conns and lst.idle is not None and not lst.idle.done():
-            lst.idle.set_result(None)
+        if self.pump_in is not None or self.fds is not None:
+            self._stop_pumps()
+        if not conns and shared.idle is not None and not shared.idle.done():
+            shared.idle.set_result(None)
 
     # --- dialing
 
     async def _dial(self, client_ip: str) -> None:
-        lst = self.lst
-        picker = lst.picker
-        stats = lst.stats
+        shared = self.shared
+        picker = shared.picker
+        stats = self.stats
         address = picker.pick(client_ip)
         if address is None:
             stats.refused_no_endpoints += 1
             self._give_up()
             return
-        loop = lst.loop
-        for timeout in lst.dial_timeouts:
+        loop = shared.loop
+        settings = self.settings
+        for timeout in settings.dial_timeouts:
             b = BackendSide(self)
             # call_later + cancel costs less per connection than asyncio.timeout().
             timer = loop.call_later(timeout, self._dial_timed_out)
             try:
-                await loop.create_connection(lambda: b, address[0], address[1])  # noqa: B023
+                await loop.create_connection(b, address[0], address[1])
             except (Exception, asyncio.CancelledError) as exc:
                 if isinstance(exc, asyncio.CancelledError):
                     if not self.timed_out:
@@ -222,11 +289,16 @@ class Connection(asyncio.Protocol):
                     self.timed_out = False
                     assert self.dial is not None
                     self.dial.uncancel()
+                elif isinstance(exc, OSError) and exc.errno in NO_DESCRIPTORS:
+                    # This process is out of descriptors: the endpoint is not at fault.
+                    stats.no_descriptors += 1
+                    notices.no_descriptors(settings.name, "dial", exc)
+                    break
                 elif not isinstance(exc, OSError):  # e.g. a malformed address from the picker
-                    log.warning("%s: cannot dial %r: %r", lst.name, address, exc)
+                    log.warning("%s: cannot dial %r: %r", settings.name, address, exc)
                 stats.dial_failures += 1
                 picker.dial_failed(address)
-                log.debug("%s: dial %s failed: %r", lst.name, address, exc)
+                log.debug("%s: dial %s failed: %r", settings.name, address, exc)
                 if self.transport.is_closing():
                     return
                 next_address = picker.pick(client_ip, retry=True)
@@ -241,6 +313,8 @@ class Connection(asyncio.Protocol):
                 _reset(b.transport)
             else:
                 self.backend = b
+                if settings.keepalive:
+                    set_options(b.transport, settings.keepalive)
                 self.backend_connected()
             return
         stats.failed += 1
@@ -260,19 +334,19 @@ class Connection(asyncio.Protocol):
         """Flush what the client sent while dialing, then forward directly."""
         b = self.backend
         assert b is not None
-        if self.lst.log_connections:
+        if self.settings.log_connections:
             log.debug(
                 "%s: %s -> %s",
-                self.lst.name,
+                self.settings.name,
                 _peer(self.transport),
                 _peer(b.transport),
             )
-        if self.lst.picker.proxy_protocol:
+        if self.shared.picker.proxy_protocol:
             self._send_proxy_header(b)
         pending = self.pending
         self.pending = None
         if pending:
-            self.lst.stats.bytes_in += self.pending_size
+            self.stats.bytes_in += self.pending_size
             b.transport.writelines(pending)
         self.pending_size = 0
         if self.in_done and b.transport.can_write_eof():
@@ -287,9 +361,9 @@ class Connection(asyncio.Protocol):
         """The PROXY protocol header goes first: the backend learns who the client is."""
         sock = self.transport.get_extra_info("socket")
         try:
-            head = proxyproto.for_connection(self.lst.picker.proxy_protocol, sock)
+            head = proxyproto.for_connection(self.shared.picker.proxy_protocol, sock)
         except (OSError, AttributeError, ValueError) as exc:  # the client is already gone
-            log.debug("%s: no PROXY header: %r", self.lst.name, exc)
+            log.debug("%s: no PROXY header: %r", self.settings.name, exc)
             return
         b.transport.write(head)
 
@@ -339,9 +413,9 @@ class Connection(asyncio.Protocol):
             self.splicing = False
             return
         self.transport.pause_reading()
-        self.lst.stats.spliced += 1
+        self.stats.spliced += 1
         self.pump_in = splicing.SplicePump(
-            self.lst.loop,
+            self.shared.loop,
             fds[0],
             fds[1],
             on_bytes=self._count_in,
@@ -358,9 +432,9 @@ class Connection(asyncio.Protocol):
             self.splicing = False
             return
         b.transport.pause_reading()
-        self.lst.stats.spliced += 1
+        self.stats.spliced += 1
         self.pump_out = splicing.SplicePump(
-            self.lst.loop,
+            self.shared.loop,
             fds[1],
             fds[0],
             on_bytes=self._count_out,
@@ -369,10 +443,10 @@ class Connection(asyncio.Protocol):
         )
 
     def _count_in(self, n: int) -> None:
-        self.lst.stats.bytes_in += n
+        self.stats.bytes_in += n
 
     def _count_out(self, n: int) -> None:
-        self.lst.stats.bytes_out += n
+        self.stats.bytes_out += n
 
     def _spliced_eof_in(self) -> None:
         assert self.fds is not None
@@ -412,13 +486,15 @@ class Connection(asyncio.Protocol):
         if exc.errno not in splicing.UNSUPPORTED or pump.moved:
             return False
         self.splicing = False
-        if self.lst.splice:
-            self.lst.splice = False
-            log.info("%s: os.splice is not usable here (%s); copying instead", self.lst.name, exc)
+        if self.shared.splice:
+            self.shared.splice = False
+            log.info(
+                "%s: os.splice is not usable here (%s); copying instead", self.settings.name, exc
+            )
         return True
 
     def _splice_error(self, exc: OSError) -> None:
-        log.debug("%s: splice failed: %r", self.lst.name, exc)
+        log.debug("%s: splice failed: %r", self.settings.name, exc)
         self.abort()
 
     def _stop_pumps(self) -> None:
@@ -431,6 +507,21 @@ class Connection(asyncio.Protocol):
             self.fds = None
             os.close(fds[0])
             os.close(fds[1])
+
+
+SocketOptions = tuple[tuple[int, int, int], ...]
+"""(level, option, value) triples for setsockopt."""
+
+
+def set_options(transport: asyncio.BaseTransport, options: SocketOptions) -> None:
+    """setsockopt each (level, option, value) on a transport's socket; failures are ignored."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            for level, option, value in options:
+                sock.setsockopt(level, option, value)
+        except OSError as exc:  # the socket is already closing: nothing to keep alive
+            log.debug("cannot set socket options: %r", exc)
 
 
 def _reset(transport: Any) -> None:

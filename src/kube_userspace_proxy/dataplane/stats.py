@@ -1,9 +1,20 @@
-"""The data plane's structural inputs (Picker) and its per-service-port counters (ConnStats)."""
+"""The data plane's structural inputs (Picker), its per-service-port counters (ConnStats), and
+the rate-limited notices about resources the whole process shares (descriptors)."""
 
 from __future__ import annotations
 
+import errno
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+from kube_userspace_proxy import logs
+
+log = logs.get(__name__)
+
+NO_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+"""errno values meaning "this process (or the node) is out of descriptors or socket memory"."""
 
 
 class Picker(Protocol):
@@ -41,6 +52,11 @@ class ConnStats:
     TCP connections itself and they are not counted); `dial_failures` individual failed dials.
     Bytes: `bytes_in` client -> backend, `bytes_out` backend -> client (TCP and UDP payload).
     `spliced` counts connection directions that switched to the zero-copy path.
+    `no_descriptors` counts accepts, dials and UDP session sockets that failed because the
+    process ran out of descriptors (EMFILE, ENFILE) or socket memory; never a dial failure.
+    UDP drops by reason: `udp_dropped_table_full` (no room for a new client's session),
+    `udp_dropped_send_failed` (the backend socket refused the datagram),
+    `udp_dropped_no_descriptors` (no socket could be opened for a new session).
     """
 
     accepted: int = 0
@@ -56,4 +72,51 @@ class ConnStats:
     udp_sessions_total: int = 0
     udp_datagrams_in: int = 0
     udp_datagrams_out: int = 0
-    udp_dropped: int = 0
+    udp_dropped_table_full: int = 0
+    udp_dropped_send_failed: int = 0
+    udp_dropped_no_descriptors: int = 0
+    no_descriptors: int = 0
+
+    @property
+    def udp_dropped(self) -> int:
+        """UDP datagrams dropped by the proxy, every reason (no endpoints is counted apart)."""
+        return (
+            self.udp_dropped_table_full
+            + self.udp_dropped_send_failed
+            + self.udp_dropped_no_descriptors
+        )
+
+
+class Notices:
+    """Warnings about exhausted process-wide resources: at most one line per `interval` s.
+
+    The first event logs at once; events within the interval after it are summed into the
+    next line, so a flood of EMFILE costs a counter bump each, not a log line each.
+    """
+
+    def __init__(self, interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval = interval
+        self._clock = clock
+        self._next = 0.0
+        self._quiet = 0  # events not logged since the last line
+
+    def no_descriptors(self, name: str, what: str, exc: OSError) -> None:
+        """`what` ("accept", "dial", "UDP session") on `name` failed for want of descriptors."""
+        now = self._clock()
+        if now < self._next:
+            self._quiet += 1
+            return
+        quiet, self._quiet = self._quiet, 0
+        self._next = now + self._interval
+        log.warning(
+            "%s: %s failed: %s (out of file descriptors or socket memory; %d more such"
+            " failures since the last line); raise the descriptor limit (ulimit -n)",
+            name,
+            what,
+            exc.strerror or exc,
+            quiet,
+        )
+
+
+notices = Notices()
+"""The process's one rate limiter for descriptor-exhaustion warnings."""

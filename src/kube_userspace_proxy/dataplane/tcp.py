@@ -5,24 +5,41 @@ While the picker has endpoints it listens; while it has none, shutdown(SHUT_RD) 
 to a bound, non-listening socket (Linux: the backlog is reset, the port stays bound because it
 was bound explicitly), and a SYN to it gets a RST: the client sees ECONNREFUSED. It keeps
 SO_REUSEPORT, so that other processes' listeners may join the port.
+
+Accepting is the listener's own (`loop.add_reader` on the listening socket, a burst of
+accept() per wakeup) rather than `loop.create_server`: running out of descriptors (EMFILE)
+is then counted, logged at most once a second and retried after a pause, on uvloop and
+asyncio alike. (uvloop drops the waiting connections silently on EMFILE, and closes the
+server for good when its reserve descriptor is gone too; asyncio logs every failed accept
+and re-arms once per failure.) The accept also gives the client address for free.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 from collections.abc import Callable
 from typing import Any
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.dataplane.connection import Connection
-from kube_userspace_proxy.dataplane.stats import ConnStats, Picker
+from kube_userspace_proxy.dataplane.connection import Connection, Settings, Shared
+from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, notices
 
 log = logs.get(__name__)
 
 DIAL_TIMEOUTS = (0.25, 0.5, 1.0, 2.0)
+KEEPALIVE = 15.0
+"""TCP keepalive idle time and probe interval in seconds (Go's default); 0 turns it off."""
+# Connections accepted per wakeup of the listening socket before other work gets a turn.
+ACCEPT_BURST = 64
+# After an accept failed for want of descriptors: wait this long before accepting again
+# (the connections wait in the backlog meanwhile), instead of spinning on the failure.
+ACCEPT_PAUSE = 0.1
+# accept() errors about one connection that went away before it was accepted: take the next.
+_GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
 
 
 def _reserve(sock: socket.socket) -> socket.socket:
@@ -57,11 +74,31 @@ def _unlisten(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RD)
 
 
+def keepalive_options(seconds: float, probes: int) -> tuple[tuple[int, int, int], ...]:
+    """setsockopt triples for TCP keepalive: first probe after `seconds` idle, then one every
+    `seconds`; after `probes` unanswered probes the kernel resets the connection.
+
+    TCP_USER_TIMEOUT gets the same bound, so data left unacknowledged by a dead peer ends the
+    connection as surely as silence does. Empty when `seconds` <= 0 (keepalive off).
+    """
+    if seconds <= 0:
+        return ()
+    idle = max(1, round(seconds))  # the kernel counts in whole seconds
+    return (
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, idle),
+        (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, idle * (1 + probes) * 1000),
+    )
+
+
 class TcpListener:
     """Serves one proxy port; refuses connections (RST) while the picker has no endpoints.
 
     `sock` is a bound TCP socket (IPv4 or IPv6) that is not listening; the listener owns it
     from now on (replaced by its reservation, see `_reserve`) and closes it in `close()`.
+    `keepalive` (seconds, 0 = off) applies TCP
+    keepalive and TCP_USER_TIMEOUT to both sides of every connection.
     """
 
     def __init__(
@@ -75,29 +112,36 @@ class TcpListener:
         splice: bool = True,
         high_water: int = 256 * 1024,
         backlog: int = 4096,
+        keepalive: float = KEEPALIVE,
     ) -> None:
         if sock.type != socket.SOCK_STREAM:
             raise ValueError(f"TcpListener needs a TCP socket, got {sock!r}")
         sock = _reserve(sock)
         self._sock: socket.socket | None = sock
         self._address = sock.getsockname()
-        self.picker = picker
-        self.stats = stats
+        self._family = int(sock.family)
         self.name = name or f"tcp:{self._address[1]}"
-        # Per-connection lines only at -v 4 and above; decided once, not per connection.
-        self.log_connections = log.isEnabledFor(logging.DEBUG)
-        self.dial_timeouts = dial_timeouts
-        self.splice = splice
-        self.high_water = high_water
-        self.low_water = high_water // 4
+        # The kernel's probe count (net.ipv4.tcp_keepalive_probes of this namespace).
+        probes = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+        self.settings = Settings(
+            name=self.name,
+            dial_timeouts=dial_timeouts,
+            high_water=high_water,
+            low_water=high_water // 4,
+            keepalive=keepalive_options(keepalive, probes),
+            # Per-connection lines only at -v 4 and above; decided once, not per connection.
+            log_connections=log.isEnabledFor(logging.DEBUG),
+        )
+        self._picker = picker
+        self._stats = stats
+        self._splice = splice
         self._backlog = backlog
-        self.conns: set[Connection] = set()
-        self.idle: asyncio.Future[None] | None = None
-        self._server: asyncio.AbstractServer | None = None
-        # Listening, not yet served by the loop: set by refresh(), cleared by _serve().
-        self._pending = False
-        self._handing_over = False  # _serve() is inside create_server()
-        self._opening: asyncio.Task[None] | None = None
+        # Accepted sockets inherit these: keepalive costs no syscall per accepted connection.
+        for level, option, value in self.settings.keepalive:
+            sock.setsockopt(level, option, value)
+        self._shared: Shared | None = None
+        self._listening = False  # listening, and registered with the loop
+        self._resume: asyncio.TimerHandle | None = None  # accepting paused (no descriptors)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         # Told each time a listening socket joins the port (the socket) or leaves it (None):
@@ -109,15 +153,40 @@ class TcpListener:
         assert self._loop is not None, "TcpListener.start() was not called"
         return self._loop
 
+    @property
+    def picker(self) -> Picker:
+        """The picker new connections are served from (`set_picker` also refreshes)."""
+        return self._picker
+
+    @picker.setter
+    def picker(self, picker: Picker) -> None:
+        self._picker = picker
+        if self._shared is not None:
+            self._shared.picker = picker
+
+    @property
+    def stats(self) -> ConnStats:
+        return self._stats
+
+    @property
+    def splice(self) -> bool:
+        """True while connections may switch to splice (cleared if splice(2) is refused)."""
+        return self._shared.splice if self._shared is not None else self._splice
+
+    @property
+    def conns(self) -> set[Connection]:
+        """The open connections."""
+        return self._shared.conns if self._shared is not None else set()
+
     async def start(self) -> None:
         """Begin serving: listen now if the picker has endpoints, else refuse.
 
         Raises OSError when the port cannot listen.
         """
-        self._loop = asyncio.get_running_loop()
-        if self.picker and not self._closed:
+        self._loop = loop = asyncio.get_running_loop()
+        self._shared = Shared(loop, self._picker, self._stats, self._splice)
+        if self._picker and not self._closed:
             self._listen()
-            await self._serve()
 
     def set_picker(self, picker: Picker) -> None:
         """Use another picker for new connections, then `refresh()`."""
@@ -127,127 +196,120 @@ class TcpListener:
     def refresh(self) -> None:
         """Listen while the picker has endpoints; refuse (port kept) while it has none.
 
-        The port listens when this returns: connections made right after it wait in the
-        backlog until the loop serves the socket. A failure to listen is logged; the next
+        The port listens when this returns. A failure to listen is logged; the next
         refresh() tries again.
         """
         if self._closed or self._loop is None:
             return
-        if not self.picker:
+        if not self._picker:
             self._stop_listening()
-        elif self._server is None and not self._pending and not self._handing_over:
+        elif not self._listening:
             try:
                 self._listen()
             except OSError as exc:
                 log.error("%s: cannot listen on %s: %s", self.name, self._address, exc)
-                return
-            if self._opening is None:
-                self._opening = self._loop.create_task(
-                    self._serve_later(), name=f"listen {self.name}"
-                )
-
-    async def _serve(self) -> None:
-        """Hand the listening socket (if still wanted) to the loop; raises OSError on failure."""
-        sock = self._sock
-        if not self._pending or sock is None:  # refused again before this ran
-            return
-        self._pending = False
-        self._handing_over = True
-        try:
-            server = await self.loop.create_server(self._protocol, sock=sock, backlog=self._backlog)
-        except Exception:
-            _unlisten(sock)
-            if self.on_listen is not None:
-                self.on_listen(None)
-            raise
-        finally:
-            self._handing_over = False
-        self._server = server
-        log.debug("%s: listening on %s", self.name, self._address)
-        if self._closed or not self.picker:  # changed while create_server() yielded
-            self._stop_listening()
-
-    async def _serve_later(self) -> None:
-        try:
-            await self._serve()
-        except OSError as exc:  # the next refresh() tries again
-            log.error("%s: cannot listen on %s: %s", self.name, self._address, exc)
-        finally:
-            self._opening = None
 
     def _listen(self) -> None:
-        """Listen on the reserved socket now (connections wait in the backlog until served)."""
-        assert self._sock is not None
-        self._sock.listen(self._backlog)
-        self._pending = True
+        """Listen on the reserved socket and accept from it; raises OSError on failure."""
+        sock = self._sock
+        assert sock is not None
+        sock.listen(self._backlog)
+        try:
+            self.loop.add_reader(sock.fileno(), self._accept)
+        except BaseException:
+            _unlisten(sock)
+            raise
+        self._listening = True
+        log.debug("%s: listening on %s", self.name, self._address)
         if self.on_listen is not None:
-            self.on_listen(self._sock)
+            self.on_listen(sock)
 
-    def _protocol(self) -> Connection:
-        return Connection(self)
-
-    def _stop_listening(self, *, release: bool = False) -> None:
-        """Refuse from now on, keeping the port (or giving it up too, with `release`)."""
-        # Unlistening resets the connections still in the backlog, as closing would.
-        pending = self._pending
-        if pending:  # not yet handed to the loop: _serve() will skip it
-            self._pending = False
-            assert self._sock is not None
-            _unlisten(self._sock)
-        server = self._server
-        if server is not None and self._sock is not None:
-            kept = None
-            if not release:
-                # The loop closes the descriptor it serves: keep the socket (and the port)
-                # through a duplicate, the only descriptor once the server has closed.
-                try:
-                    kept = self._sock.dup()
-                except OSError as exc:
-                    # Still listening: connections are reset for want of endpoints.
-                    log.error("%s: cannot stop listening on %s: %s", self.name, self._address, exc)
+    def _accept(self) -> None:
+        """The listening socket is readable: accept a burst of connections."""
+        lsock = self._sock
+        shared = self._shared
+        if not self._listening or lsock is None or shared is None:
+            return
+        settings = self.settings
+        # The raw accept: socket.accept() would build the family and type enums per call.
+        accept = lsock._accept  # type: ignore[attr-defined]
+        family = self._family
+        for _ in range(ACCEPT_BURST):
+            try:
+                fd, address = accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in NO_DESCRIPTORS:
+                    self._stats.no_descriptors += 1
+                    notices.no_descriptors(self.name, "accept", exc)
+                    self._pause_accepting(lsock)
                     return
-            self._server = None
-            server.close()
-            self._sock = kept
-            if kept is not None:
-                _unlisten(kept)
-        if pending or server is not None:
-            log.debug("%s: refusing on %s", self.name, self._address)
-            if self.on_listen is not None:
-                self.on_listen(None)
+                if exc.errno in _GONE:
+                    continue
+                log.warning("%s: accept failed: %s", self.name, exc)
+                return
+            sock = socket.socket(family, socket.SOCK_STREAM, 0, fd)
+            Connection(settings, shared).start(sock, address[0])
+
+    def _pause_accepting(self, lsock: socket.socket) -> None:
+        # Level-triggered readiness would call _accept again at once: stop watching the
+        # socket for a moment; the kernel keeps new connections in the backlog meanwhile.
+        loop = self.loop
+        loop.remove_reader(lsock.fileno())
+        self._resume = loop.call_later(ACCEPT_PAUSE, self._resume_accepting, lsock)
+
+    def _resume_accepting(self, lsock: socket.socket) -> None:
+        self._resume = None
+        if self._listening and self._sock is lsock:
+            self.loop.add_reader(lsock.fileno(), self._accept)
+
+    def _stop_listening(self) -> None:
+        """Refuse from now on, keeping the port."""
+        sock = self._sock
+        if not self._listening or sock is None:
+            return
+        self._listening = False
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        else:
+            self.loop.remove_reader(sock.fileno())
+        # Unlistening resets the connections still in the backlog, as closing would.
+        _unlisten(sock)
+        log.debug("%s: refusing on %s", self.name, self._address)
+        if self.on_listen is not None:
+            self.on_listen(None)
 
     async def close(self) -> None:
         """Stop accepting and release the port; connections in flight go on to finish."""
         self._closed = True
-        self._stop_listening(release=True)
-        opening = self._opening
-        if opening is not None:
-            with contextlib.suppress(OSError, asyncio.CancelledError):
-                await opening
-        self._stop_listening(release=True)
+        if self._loop is not None:
+            self._stop_listening()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
 
     async def drain(self, timeout: float) -> None:  # noqa: ASYNC109 - the contract's shape
         """Wait up to `timeout` seconds for connections in flight, then close the rest (FIN)."""
-        if self.conns:
-            self.idle = self.loop.create_future()
+        shared = self._shared
+        if shared is not None and shared.conns:
+            shared.idle = self.loop.create_future()
             try:
                 async with asyncio.timeout(timeout):
-                    await self.idle
+                    await shared.idle
             except TimeoutError:
                 log.info(
                     "%s: closing %d connections still open after %.1fs",
                     self.name,
-                    len(self.conns),
+                    len(shared.conns),
                     timeout,
                 )
-                for conn in list(self.conns):
+                for conn in list(shared.conns):
                     # A FIN, as a process exit would send: shutting down is not an error.
                     conn.abort(reset=False)
             finally:
-                self.idle = None
+                shared.idle = None
 
     @property
     def address(self) -> tuple[Any, ...]:
@@ -265,7 +327,7 @@ class TcpListener:
     @property
     def accepting(self) -> bool:
         """True while a socket listens on the port (the picker has endpoints)."""
-        return self._server is not None or self._pending or self._handing_over
+        return self._listening
 
     @property
     def buffered_bytes(self) -> int:

@@ -12,7 +12,7 @@ import socket
 from typing import Any
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.dataplane.stats import ConnStats, Picker
+from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, notices
 
 log = logs.get(__name__)
 
@@ -56,10 +56,10 @@ class _Session:
         try:
             self.sock.send(data)
         except BlockingIOError:  # backend socket buffer full: UDP may drop
-            stats.udp_dropped += 1
+            stats.udp_dropped_send_failed += 1
             return
         except OSError as exc:  # e.g. ECONNREFUSED reported by an earlier ICMP error
-            stats.udp_dropped += 1
+            stats.udp_dropped_send_failed += 1
             self._failed(exc)
             return
         stats.bytes_in += len(data)
@@ -198,26 +198,37 @@ class UdpListener:
         if session is None:
             session = self._open(client)
             if session is None:
-                stats.udp_dropped += 1
                 return
         session.send(data)
 
     def _open(self, client: Any) -> _Session | None:
+        """A session for a new client, or None (the datagram is dropped and counted)."""
+        stats = self.stats
         if len(self.sessions) >= self.max_sessions:
+            stats.udp_dropped_table_full += 1
             return None
         backend = self.picker.pick(client[0])
         if backend is None:
-            self.stats.refused_no_endpoints += 1
+            stats.refused_no_endpoints += 1
             return None
         family = socket.AF_INET6 if ":" in backend[0] else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_DGRAM)
         try:
-            sock.setblocking(False)
+            sock = socket.socket(family, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+        except OSError as exc:
+            if exc.errno not in NO_DESCRIPTORS:
+                raise
+            # Out of descriptors: this process's fault, not the endpoint's.
+            stats.no_descriptors += 1
+            stats.udp_dropped_no_descriptors += 1
+            notices.no_descriptors(self.name, "UDP session", exc)
+            return None
+        try:
             _size_buffers(sock)
             sock.connect(backend)
         except OSError as exc:
             sock.close()
-            self.stats.dial_failures += 1
+            stats.udp_dropped_send_failed += 1
+            stats.dial_failures += 1
             self.picker.dial_failed(backend)
             log.debug("%s: cannot open a socket to %s: %r", self.name, backend, exc)
             return None
