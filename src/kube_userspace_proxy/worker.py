@@ -92,6 +92,8 @@ class Worker:
             kind = message[0]
             if kind == "table":
                 await self.apply(*message[1:])
+            elif kind == "become":  # a spare takes the slot of a worker that died
+                self.index = message[1]
             elif kind == "steer":
                 self.steer(message[1])
             elif kind == "penalty":

@@ -38,7 +38,7 @@ GAUGES = frozenset({"active", "udp_sessions_active"})
 START_TIMEOUT = 10.0
 APPLY_TIMEOUT = 10.0
 COLLECT_TIMEOUT = 2.0
-RESTART_DELAYS = (0.05, 0.25, 1.0, 2.0, 5.0)
+RESTART_DELAYS = (0.0, 0.25, 1.0, 2.0, 5.0)
 
 
 class SharedPort:
@@ -98,18 +98,30 @@ class SharedPort:
         return 0  # connections live in the workers; they keep their listeners until drained
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class _Worker:
+    """One worker process; `index` is its slot, SPARE while it waits to take one over."""
+
     index: int
-    process: asyncio.subprocess.Process | None = None
-    writer: asyncio.StreamWriter | None = None
+    process: asyncio.subprocess.Process
+    writer: asyncio.StreamWriter
     reader_task: asyncio.Task[None] | None = None
-    ready: bool = False
+    watcher: asyncio.Task[None] | None = None
+    ready: bool = True
     started: float = 0.0
 
 
+SPARE = -2
+"""The index of the warm spare: a started worker that takes over the slot of one that dies."""
+
+
 class WorkerPool:
-    """N worker processes serving every proxy port; the proxier's data plane with workers."""
+    """N worker processes serving every proxy port; the proxier's data plane with workers.
+
+    One more process waits as a warm spare: when a worker dies, the spare takes its slot at
+    once (a fresh interpreter takes a few hundred milliseconds to start on a busy node), gets
+    the current table, and a new spare is started in the background.
+    """
 
     shares_ports = True
 
@@ -125,22 +137,24 @@ class WorkerPool:
         self.count = count
         self._settings = {"udp_idle_timeout": udp_idle_timeout}
         self._argv = ["-v", str(verbosity), "--log-format", log_format, "--event-loop", event_loop]
-        self._workers = [_Worker(i) for i in range(count)]
+        self._workers: list[_Worker | None] = [None] * count
+        self._spare: _Worker | None = None
+        self._spare_task: asyncio.Task[None] | None = None
+        self._failures = [0] * count
         self._ports: dict[Key, SharedPort] = {}
         self._groups: dict[Key, list[int]] = {}
         self._pool_ids: weakref.WeakKeyDictionary[Picker, int] = weakref.WeakKeyDictionary()
         self._next_pool_id = itertools.count(1)
         self._seq = itertools.count(1)
         self._lock = asyncio.Lock()
-        self._waiting: dict[tuple[str, int, int], asyncio.Future[Any]] = {}
+        self._waiting: dict[tuple[str, _Worker, int], asyncio.Future[Any]] = {}
         self._reports: dict[int, dict[str, tuple[int, ...]]] = {}
         self._dead_totals: dict[str, list[int]] = {}
         self._affinity: dict[int, Pins] = {}
-        self._supervisors: list[asyncio.Task[None]] = []
         self._stopping = False
         self._table: tuple[list[Any], dict[int, Any]] | None = None
         self.restarts = 0
-        """Workers restarted after an unexpected exit."""
+        """Workers replaced after an unexpected exit."""
 
     # ---- the proxier's data plane ------------------------------------------------------------
 
@@ -165,9 +179,8 @@ class WorkerPool:
         self._table = self._build_table()
         async with self._lock:
             changed: set[Key] = set()
-            for worker in self._workers:
-                if worker.ready:
-                    changed |= await self._apply(worker)
+            for worker in self._live():
+                changed |= await self._apply(worker)
             self._steer(changed)
 
     def affinity_entries(self, pool: EndpointPool) -> Pins:
@@ -175,28 +188,30 @@ class WorkerPool:
         pool_id = self._pool_ids.get(pool)
         return self._affinity.get(pool_id, []) if pool_id is not None else []
 
+    def _live(self) -> list[_Worker]:
+        return [w for w in self._workers if w is not None and w.ready]
+
     # ---- starting and supervising ------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start every worker; raises ProxyError when one cannot start."""
-        for worker in self._workers:
-            await self._spawn(worker)
-        for worker in self._workers:
-            self._supervisors.append(
-                asyncio.create_task(self._supervise(worker), name=f"worker-{worker.index}")
-            )
+        """Start every worker and the spare; raises ProxyError when one cannot start."""
+        for index in range(self.count):
+            self._workers[index] = await self._spawn(index)
+        self._spare = await self._spawn(SPARE)
 
-    async def _spawn(self, worker: _Worker) -> None:
+    async def _spawn(self, index: int) -> _Worker:
+        """A started worker process (ready: it said hello); ProxyError when it cannot start."""
+        what = "the spare worker" if index == SPARE else f"worker {index}"
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            worker.process = await asyncio.create_subprocess_exec(
+            process = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
                 "kube_userspace_proxy.worker",
                 "--fd",
                 str(theirs.fileno()),
                 "--index",
-                str(worker.index),
+                str(index),
                 *self._argv,
                 pass_fds=(theirs.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
@@ -204,66 +219,116 @@ class WorkerPool:
         finally:
             theirs.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours)
-        worker.writer = writer
+        worker = _Worker(index, process, writer, ready=False)
         try:
             hello = await asyncio.wait_for(channel.receive(reader), START_TIMEOUT)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
             code = await self._end(worker)
+            why = (
+                f"not ready within {START_TIMEOUT:.0f}s"
+                if isinstance(exc, TimeoutError)
+                else "it exited before it was ready"
+                if isinstance(exc, asyncio.IncompleteReadError)
+                else repr(exc)
+            )
             raise ProxyError(
-                f"worker {worker.index} could not start (exit code {code}): {exc!r}; see its"
-                " log lines above"
+                f"{what} could not start (exit code {code}): {why}; see its log lines above"
             ) from None
         worker.started = time.monotonic()
-        log.info("worker %d started (pid %d)", worker.index, hello[2])
-        worker.reader_task = asyncio.create_task(
-            self._read(worker, reader), name=f"worker-{worker.index}-channel"
-        )
         worker.ready = True
-        if self._table is not None:  # a restart: serve the current table at once
-            async with self._lock:
-                changed = await self._apply(worker)
-                self._steer(changed)
+        log.info("%s started (pid %d)", what, hello[2])
+        worker.reader_task = asyncio.create_task(self._read(worker, reader), name=f"{what} channel")
+        worker.watcher = asyncio.create_task(self._watch(worker), name=f"{what} watch")
+        return worker
 
-    async def _supervise(self, worker: _Worker) -> None:
-        failures = 0
+    async def _watch(self, worker: _Worker) -> None:
+        assert worker.reader_task is not None
+        await asyncio.wait(
+            [asyncio.ensure_future(worker.process.wait()), worker.reader_task],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if self._stopping:
+            return
+        index = worker.index
+        worker.watcher = None  # this task ends here; _end must not cancel it
+        code = await self._end(worker)
+        if index == SPARE:
+            log.warning("the spare worker exited (code %s); starting another", code)
+            self._spare = None
+            self._keep_spare()
+            return
+        log.error("worker %d exited unexpectedly (code %s); replacing it", index, code)
+        self.restarts += 1
+        self._workers[index] = None
+        recent = time.monotonic() - worker.started < 10
+        self._failures[index] = self._failures[index] + 1 if recent else 1
+        if self._failures[index] > 1:  # crashing again: do not burn through processes
+            await asyncio.sleep(RESTART_DELAYS[min(self._failures[index], len(RESTART_DELAYS)) - 1])
         while not self._stopping:
-            assert worker.process is not None and worker.reader_task is not None
-            await asyncio.wait(
-                [asyncio.ensure_future(worker.process.wait()), worker.reader_task],
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if self._stopping:
-                return
-            code = await self._end(worker)
-            log.error("worker %d exited unexpectedly (code %s); restarting it", worker.index, code)
-            self.restarts += 1
-            failures = failures + 1 if time.monotonic() - worker.started < 10 else 1
-            await asyncio.sleep(RESTART_DELAYS[min(failures, len(RESTART_DELAYS)) - 1])
+            spare, self._spare = self._spare, None
             try:
-                await self._spawn(worker)
+                replacement = spare if spare is not None else await self._spawn(index)
             except ProxyError as exc:
                 log.error("%s", exc)
+                await asyncio.sleep(RESTART_DELAYS[-1])
+                continue
+            await self._take_slot(replacement, index)
+            break
+        self._keep_spare()
+
+    async def _take_slot(self, worker: _Worker, index: int) -> None:
+        """Make `worker` serve slot `index` with the current table."""
+        if worker.index == SPARE:
+            channel.send(worker.writer, ("become", index))
+        worker.index = index
+        worker.started = time.monotonic()
+        self._workers[index] = worker
+        log.info("worker %d is pid %d now", index, worker.process.pid)
+        if self._table is not None:
+            async with self._lock:
+                self._steer(await self._apply(worker))
+
+    def _keep_spare(self) -> None:
+        if self._stopping or self._spare is not None:
+            return
+        if self._spare_task is not None and not self._spare_task.done():
+            return
+        self._spare_task = asyncio.create_task(self._start_spare(), name="spare worker")
+
+    async def _start_spare(self) -> None:
+        for delay in RESTART_DELAYS:
+            if self._stopping:
+                return
+            try:
+                spare = await self._spawn(SPARE)
+            except ProxyError as exc:
+                log.error("%s", exc)
+                await asyncio.sleep(delay)
+                continue
+            if self._stopping:
+                await self._end(spare)
+            else:
+                self._spare = spare
+            return
 
     async def _end(self, worker: _Worker) -> int | None:
         """Forget a worker that exited (or kill it): its sockets left every group."""
         worker.ready = False
         process = worker.process
-        code = None
-        if process is not None:
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-            code = await process.wait()
-        if worker.writer is not None:
-            worker.writer.close()
-            worker.writer = None
-        if worker.reader_task is not None:
-            worker.reader_task.cancel()
-            worker.reader_task = None
-        for waiting in [k for k in self._waiting if k[1] == worker.index]:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+        code = await process.wait()
+        worker.writer.close()
+        for task in (worker.reader_task, worker.watcher):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        for waiting in [k for k in self._waiting if k[1] is worker]:
             future = self._waiting.pop(waiting)
             if not future.done():
                 future.set_exception(ConnectionError(f"worker {worker.index} exited"))
+        if worker.index < 0:
+            return code
         report = self._reports.pop(worker.index, {})
         for name, values in report.items():
             base = self._dead_totals.setdefault(name, [0] * len(COUNTERS))
@@ -286,11 +351,11 @@ class WorkerPool:
             kind = message[0]
             if kind == "penalty":
                 # One worker saw a dial fail: the others skip that endpoint too.
-                for other in self._workers:
-                    if other is not worker and other.ready and other.writer is not None:
+                for other in self._live():
+                    if other is not worker:
                         channel.send(other.writer, message)
                 continue
-            future = self._waiting.pop((kind, worker.index, message[1]), None)
+            future = self._waiting.pop((kind, worker, message[1]), None)
             if future is not None and not future.done():
                 future.set_result(message)
 
@@ -321,12 +386,12 @@ class WorkerPool:
 
     def _request(self, worker: _Worker, kind: str, seq: int) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[(kind, worker.index, seq)] = future
+        self._waiting[(kind, worker, seq)] = future
         return future
 
     async def _apply(self, worker: _Worker) -> set[Key]:
         """Send `worker` the table; returns the groups whose members changed."""
-        if self._table is None or worker.writer is None:
+        if self._table is None:
             return set()
         listeners, pools = self._table
         routes = {}
@@ -341,14 +406,11 @@ class WorkerPool:
         try:
             reply = await asyncio.wait_for(done, APPLY_TIMEOUT)
         except (TimeoutError, ConnectionError) as exc:
-            self._waiting.pop(("applied", worker.index, seq), None)
+            self._waiting.pop(("applied", worker, seq), None)
             if worker.ready:
-                log.error(
-                    "worker %d did not apply the table (%r); restarting it", worker.index, exc
-                )
-                process = worker.process
-                if process is not None and process.returncode is None:
-                    process.kill()
+                log.error("worker %d did not apply the table (%r); replacing it", worker.index, exc)
+                if worker.process.returncode is None:
+                    worker.process.kill()
             return set()
         changed: set[Key] = set()
         for event, key in reply[3]:
@@ -378,9 +440,8 @@ class WorkerPool:
         }
         if not routes:
             return
-        for worker in self._workers:
-            if worker.ready and worker.writer is not None:
-                channel.send(worker.writer, ("steer", routes))
+        for worker in self._live():
+            channel.send(worker.writer, ("steer", routes))
 
     # ---- counters ----------------------------------------------------------------------------
 
@@ -388,10 +449,9 @@ class WorkerPool:
         """Ask every worker for its counters and sum them into the proxier's ConnStats."""
         request = next(self._seq)
         waiting = []
-        for worker in self._workers:
-            if worker.ready and worker.writer is not None:
-                waiting.append(self._request(worker, "collected", request))
-                channel.send(worker.writer, ("collect", request, debug))
+        for worker in self._live():
+            waiting.append(self._request(worker, "collected", request))
+            channel.send(worker.writer, ("collect", request, debug))
         replies = await asyncio.gather(
             *(asyncio.wait_for(w, COLLECT_TIMEOUT) for w in waiting), return_exceptions=True
         )
@@ -424,24 +484,24 @@ class WorkerPool:
     async def shutdown(self, grace: float) -> None:
         """Tell every worker to stop accepting and drain within `grace`; then reap them."""
         self._stopping = True
-        for task in self._supervisors:
-            task.cancel()
+        if self._spare_task is not None:
+            self._spare_task.cancel()
         waiting = []
-        for worker in self._workers:
-            if worker.ready and worker.writer is not None:
-                waiting.append(self._request(worker, "drained", worker.index))
-                channel.send(worker.writer, ("drain", grace))
+        for worker in self._live():
+            waiting.append(self._request(worker, "drained", worker.index))
+            channel.send(worker.writer, ("drain", grace))
         await asyncio.gather(
             *(asyncio.wait_for(w, grace + 2.0) for w in waiting), return_exceptions=True
         )
-        for worker in self._workers:
-            await self._end(worker)
+        for process in [*self._workers, self._spare]:
+            if process is not None:
+                await self._end(process)
 
     @property
     def alive(self) -> int:
-        """Workers running now."""
-        return sum(1 for w in self._workers if w.ready)
+        """Workers serving now (the spare not counted)."""
+        return len(self._live())
 
     def pids(self) -> list[int]:
-        """The process IDs of the running workers (in worker order; 0 when not running)."""
-        return [w.process.pid if w.process is not None and w.ready else 0 for w in self._workers]
+        """The process IDs of the workers, in slot order (0 for a slot being replaced)."""
+        return [w.process.pid if w is not None and w.ready else 0 for w in self._workers]

@@ -1,0 +1,372 @@
+"""Worker processes on loopback: steering by client IP, affinity, UDP, supervision, counters.
+
+Clients take distinct source addresses from 127.0.0.0/8 (all local), so the kernel's reuseport
+steering sees distinct client IPs without any namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kube_userspace_proxy import app
+from kube_userspace_proxy.dataplane.steering import worker_of
+from kube_userspace_proxy.metrics import sample_value
+from kube_userspace_proxy.model import Protocol, ServicePortName
+from tests.loopback.proxyrun import (
+    endpoint_slice,
+    loopback_config,
+    running_proxy,
+    service,
+    start_named_backends,
+    wait_for,
+    write_manifests,
+)
+
+WORKERS = 2
+CLIENTS = [f"127.0.{i}.{j}" for i in (1, 2) for j in range(2, 14)]  # 24 client IPs
+WEB = ServicePortName("default", "web", "http", Protocol.TCP)
+DNS = ServicePortName("default", "dns", "dns", Protocol.UDP)
+
+
+def _web(ports: Sequence[int], **spec: Any) -> list[dict[str, Any]]:
+    return [
+        service("web", [{"name": "http", "port": 80, "protocol": "TCP"}], **spec),
+        *endpoint_slice("web", "http", [("127.0.0.1", p) for p in ports]),
+    ]
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[list[tuple[str, int, asyncio.Server]]]:
+    started = await start_named_backends(["a", "b", "c"])
+    yield started
+    for _, _, server in started:
+        server.close()
+
+
+@pytest.fixture
+async def proxy_with_workers(
+    tmp_path: Path, backends: list[tuple[str, int, asyncio.Server]]
+) -> AsyncIterator[app.Proxy]:
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(
+        manifest,
+        _web([p for _, p, _ in backends], sessionAffinity="ClientIP"),
+    )
+    config = loopback_config(manifest, workers=str(WORKERS))
+    async with running_proxy(config) as proxy:
+        assert proxy.workers is not None
+        await wait_for(lambda: proxy.workers is not None and proxy.workers.alive == WORKERS)
+        yield proxy
+
+
+async def ask_from(source: str, port: int) -> str:
+    """Connect from `source`, send a line, return the backend's answer (its name)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    writer.write(b"hello\n")
+    data = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    return data.decode()
+
+
+def _port(proxy: app.Proxy, name: ServicePortName = WEB) -> int:
+    return proxy.proxier.port_of(name)
+
+
+async def test_each_client_ip_keeps_its_endpoint_across_workers(
+    proxy_with_workers: app.Proxy,
+) -> None:
+    port = _port(proxy_with_workers)
+    seen: dict[str, set[str]] = {}
+    for _ in range(4):
+        for client in CLIENTS:
+            seen.setdefault(client, set()).add(await ask_from(client, port))
+    assert all(len(names) == 1 for names in seen.values()), seen
+    # The clients really were spread over both workers, and so over the endpoints.
+    assert {worker_of(c, WORKERS) for c in CLIENTS} == set(range(WORKERS))
+    assert len({next(iter(names)) for names in seen.values()}) == 3
+
+
+async def test_counters_are_summed_over_the_workers(proxy_with_workers: app.Proxy) -> None:
+    proxy = proxy_with_workers
+    port = _port(proxy)
+    for client in CLIENTS:
+        await ask_from(client, port)
+    ops = proxy.ops
+    assert ops is not None and ops.metrics_port is not None
+    url = f"http://127.0.0.1:{ops.metrics_port}"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/metrics") as response:
+            text = await response.text()
+        async with http.get(f"{url}/debug/state") as response:
+            state = await response.json()
+    # The only Service here: its accepted connections, whatever other labels the series has.
+    accepted = sample_value(text, "kube_userspace_proxy_connections_total", {"result": "accepted"})
+    assert accepted == len(CLIENTS)
+    assert state[str(WEB)]["connections"]["accepted"] == len(CLIENTS)
+    pins = state[str(WEB)]["affinity"]
+    assert {pin["clientIP"] for pin in pins} == set(CLIENTS)
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(ConnectionError):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    writer.close()
+
+
+async def test_a_killed_worker_is_restarted_and_the_others_keep_serving(
+    tmp_path: Path, proxy_with_workers: app.Proxy, backends: list[tuple[str, int, asyncio.Server]]
+) -> None:
+    proxy = proxy_with_workers
+    pool = proxy.workers
+    assert pool is not None
+    echo_server = await asyncio.start_server(_echo, "127.0.0.1", 0)
+    echo = ServicePortName("default", "echo", "tcp", Protocol.TCP)
+    write_manifests(
+        tmp_path / "svc.yaml",
+        [
+            *_web([p for _, p, _ in backends], sessionAffinity="ClientIP"),
+            service("echo", [{"name": "tcp", "port": 7}], cluster_ip="10.96.0.7"),
+            *endpoint_slice(
+                "echo", "tcp", [("127.0.0.1", echo_server.sockets[0].getsockname()[1])]
+            ),
+        ],
+    )
+    await wait_for(lambda: proxy.proxier.port_of(echo), 5, "the echo Service")
+    port, echo_port = _port(proxy), proxy.proxier.port_of(echo)
+    victim = 0
+    theirs = [c for c in CLIENTS if worker_of(c, WORKERS) == victim]
+    ours = [c for c in CLIENTS if worker_of(c, WORKERS) != victim]
+    # Long-lived connections on both workers.
+    held = {}
+    for client in (theirs[0], ours[0]):
+        held[client] = await asyncio.open_connection("127.0.0.1", echo_port, local_addr=(client, 0))
+        held[client][1].write(b"ping\n")
+        assert await asyncio.wait_for(held[client][0].readline(), 5) == b"ping\n"
+    old_pid = pool.pids()[victim]
+    failures: list[tuple[float, str, str]] = []
+    stop = asyncio.Event()
+
+    async def steady_load() -> int:
+        done = 0
+        deadline = time.monotonic() + 20
+        while not stop.is_set() and time.monotonic() < deadline:
+            client = CLIENTS[done % len(CLIENTS)]
+            began = time.monotonic()
+            try:
+                await ask_from(client, port)
+            except OSError as exc:
+                failures.append((began, client, repr(exc)))
+            done += 1
+        return done
+
+    load = asyncio.create_task(steady_load())
+    await asyncio.sleep(0.2)
+    killed_at = time.monotonic()
+    os.kill(old_pid, signal.SIGKILL)
+    await wait_for(lambda: pool.restarts, 5, "the control process to see the exit")
+    dead_at = time.monotonic()  # the process has exited: its sockets are gone
+    new_pid = await wait_for(
+        lambda: pool.pids()[victim] not in (0, old_pid) and pool.pids()[victim], 5, "a restart"
+    )
+    restarted_in = time.monotonic() - killed_at
+    await asyncio.sleep(0.3)
+    stop.set()
+    made = await load
+    try:
+        assert new_pid != old_pid and pool.restarts == 1
+        assert restarted_in < 1.0, f"restarted after {restarted_in:.2f}s"
+        assert made > 20
+        # Connections the killed worker had accepted may end with it; every other one succeeded.
+        unexpected = [f for f in failures if f[0] >= dead_at or f[1] not in theirs]
+        assert not unexpected, [
+            (round(f[0] - killed_at, 3), f[1], worker_of(f[1], WORKERS), f[2]) for f in failures
+        ]
+        # Only the killed worker's held connection ended; the other one still echoes.
+        with contextlib.suppress(ConnectionError):
+            assert await asyncio.wait_for(held[theirs[0]][0].read(), 5) == b""
+        reader, writer = held[ours[0]]
+        writer.write(b"still here\n")
+        assert await asyncio.wait_for(reader.readline(), 5) == b"still here\n"
+    finally:
+        for _, writer in held.values():
+            writer.close()
+        echo_server.close()
+
+
+async def test_a_restarted_worker_serves_the_current_state(
+    tmp_path: Path, proxy_with_workers: app.Proxy
+) -> None:
+    proxy = proxy_with_workers
+    pool = proxy.workers
+    assert pool is not None
+    victim = 1
+    old_pid = pool.pids()[victim]
+    os.kill(old_pid, signal.SIGKILL)
+    await wait_for(lambda: pool.pids()[victim] not in (0, old_pid), 5, "a restart")
+    # A change after the restart reaches the new worker too: one new endpoint only.
+    fresh = await start_named_backends(["z"])
+    try:
+        write_manifests(tmp_path / "svc.yaml", _web([fresh[0][1]]))
+        port = _port(proxy)
+
+        async def all_on_z() -> bool:
+            answers = {await ask_from(c, port) for c in CLIENTS[:8]}
+            return answers == {"z"}
+
+        deadline = time.monotonic() + 5
+        while not await all_on_z():
+            assert time.monotonic() < deadline, "the workers never served the new endpoint"
+            await asyncio.sleep(0.05)
+        assert {worker_of(c, WORKERS) for c in CLIENTS[:8]} == {0, 1}
+    finally:
+        fresh[0][2].close()
+
+
+async def test_a_dial_failure_in_one_worker_penalizes_the_endpoint_in_the_others(
+    tmp_path: Path, backends: list[tuple[str, int, asyncio.Server]]
+) -> None:
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, not listening: connecting is refused
+    try:
+        live = backends[0][1]
+        manifest = tmp_path / "svc.yaml"
+        write_manifests(manifest, _web([dead.getsockname()[1], live]))
+        async with running_proxy(loopback_config(manifest, workers=str(WORKERS))) as proxy:
+            assert proxy.workers is not None
+            await wait_for(lambda: proxy.workers is not None and proxy.workers.alive == WORKERS)
+            port = _port(proxy)
+            first = next(c for c in CLIENTS if worker_of(c, WORKERS) == 0)
+            second = next(c for c in CLIENTS if worker_of(c, WORKERS) == 1)
+            # Two connections from one worker's client: round robin reaches the refusing
+            # endpoint once, the dial ladder moves on to the live one, and it is penalized.
+            assert [await ask_from(first, port) for _ in range(2)] == ["a", "a"]
+            await proxy.collect()
+            stats = dict(proxy.proxier.port_stats())[WEB]
+            assert stats.dial_failures == 1
+            await asyncio.sleep(0.1)  # the penalty travels through the control process
+            # The other worker's round robin would reach it too, were it not told.
+            assert [await ask_from(second, port) for _ in range(2)] == ["a", "a"]
+            await proxy.collect()
+            assert stats.dial_failures == 1, "the second worker dialed the failed endpoint too"
+    finally:
+        dead.close()
+
+
+async def test_udp_sessions_and_affinity_hold_across_workers(tmp_path: Path) -> None:
+    loop = asyncio.get_running_loop()
+    echoes = []
+    for name in ("u1", "u2", "u3"):
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda n=name: _Echo(n), local_addr=("127.0.0.1", 0)
+        )
+        echoes.append(transport)
+    try:
+        manifest = tmp_path / "dns.yaml"
+        ports = [t.get_extra_info("sockname")[1] for t in echoes]
+        write_manifests(
+            manifest,
+            [
+                service(
+                    "dns",
+                    [{"name": "dns", "port": 53, "protocol": "UDP"}],
+                    sessionAffinity="ClientIP",
+                ),
+                *endpoint_slice("dns", "dns", [("127.0.0.1", p) for p in ports], protocol="UDP"),
+            ],
+        )
+        config = loopback_config(manifest, workers=str(WORKERS), udp_idle_timeout=0.05)
+        async with running_proxy(config) as proxy:
+            assert proxy.workers is not None
+            await wait_for(lambda: proxy.workers is not None and proxy.workers.alive == WORKERS)
+            port = _port(proxy, DNS)
+            seen: dict[str, set[str]] = {}
+            for round_ in range(3):
+                for client in CLIENTS:
+                    # A new source port each round: a new session, the same pinned endpoint.
+                    answer = await asyncio.to_thread(_udp_ask, client, port, f"q{round_}")
+                    seen.setdefault(client, set()).add(answer)
+                await asyncio.sleep(0.1)  # sessions expire between rounds
+            assert all(len(names) == 1 for names in seen.values()), seen
+            assert len({next(iter(n)) for n in seen.values()}) == 3
+    finally:
+        for transport in echoes:
+            transport.close()
+
+
+class _Echo(asyncio.DatagramProtocol):
+    def __init__(self, name: str) -> None:
+        self.name = name.encode()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.transport.sendto(self.name + b"|" + data, addr)  # type: ignore[attr-defined]
+
+
+def _udp_ask(source: str, port: int, payload: str) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind((source, 0))
+        sock.settimeout(2)
+        for _ in range(3):
+            sock.sendto(payload.encode(), ("127.0.0.1", port))
+            try:
+                data, _ = sock.recvfrom(2048)
+            except TimeoutError:
+                continue
+            name, _, echoed = data.decode().partition("|")
+            assert echoed == payload
+            return name
+    raise AssertionError(f"no UDP answer for {source}")
+
+
+async def test_a_worker_that_cannot_start_is_a_clear_error(
+    tmp_path: Path, backends: list[tuple[str, int, asyncio.Server]]
+) -> None:
+    broken = tmp_path / "site"
+    broken.mkdir()
+    # Only the worker processes fail to start (sys.orig_argv names the worker module).
+    (broken / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if 'kube_userspace_proxy.worker' in sys.orig_argv:\n"
+        "    sys.stderr.write('worker start refused by the test\\n'); os._exit(3)\n"
+    )
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(manifest, _web([p for _, p, _ in backends]))
+    env = {**os.environ, "PYTHONPATH": str(broken)}
+    cli = Path(os.sys.executable).parent / "kube-userspace-proxy"
+    process = await asyncio.create_subprocess_exec(
+        str(cli),
+        "run",
+        "--manifests",
+        str(manifest),
+        "--bind-address",
+        "127.0.0.1",
+        "--iptables-backend",
+        "none",
+        "--healthz-bind-address",
+        "127.0.0.1:0",
+        "--metrics-bind-address",
+        "127.0.0.1:0",
+        "--workers",
+        "2",
+        env=env,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, stderr = await asyncio.wait_for(process.communicate(), 30)
+    text = stderr.decode()
+    assert process.returncode == 1, text
+    assert "worker 0 could not start (exit code 3)" in text, text
