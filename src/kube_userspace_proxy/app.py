@@ -36,6 +36,7 @@ from kube_userspace_proxy.proxier import (
     local_addresses_in,
 )
 from kube_userspace_proxy.servicehealth import ServiceHealthServers, no_local_endpoints
+from kube_userspace_proxy.sources import Source
 from kube_userspace_proxy.sources.kube import KubeSource, load_client_configuration
 from kube_userspace_proxy.sources.manifests import ManifestSource
 from kube_userspace_proxy.state import ClusterState
@@ -90,6 +91,8 @@ class Proxy:
         self.node_ips: tuple[str, ...] = config.node_ips
         self.ops: OpsServer | None = None
         self.synced_once = asyncio.Event()
+        self.syncs = 0
+        """Syncs completed (listeners, workers and rules all updated)."""
         workers = config.worker_count
         self.workers: WorkerPool | None = None
         dataplane: DataPlane
@@ -181,6 +184,7 @@ class Proxy:
         now = time.time()
         for trigger in snapshot.trigger_times:
             metrics.network_programming(max(0.0, now - trigger))
+        self.syncs += 1
         self.synced_once.set()
         return True
 
@@ -195,7 +199,7 @@ def build(config: ProxyConfig) -> Proxy:
     return Proxy(config)
 
 
-def make_source(config: ProxyConfig, state: ClusterState) -> ManifestSource | KubeSource:
+def make_source(config: ProxyConfig, state: ClusterState) -> Source:
     """Manifests when `--manifests` is given, else the API server."""
     if config.manifests:
         return ManifestSource(list(config.manifests), state)

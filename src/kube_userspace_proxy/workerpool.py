@@ -140,6 +140,7 @@ class WorkerPool:
         self._workers: list[_Worker | None] = [None] * count
         self._spare: _Worker | None = None
         self._spare_task: asyncio.Task[None] | None = None
+        self._replacing: set[asyncio.Task[None]] = set()  # watchers replacing a dead worker
         self._failures = [0] * count
         self._ports: dict[Key, SharedPort] = {}
         self._groups: dict[Key, list[int]] = {}
@@ -188,6 +189,10 @@ class WorkerPool:
         pool_id = self._pool_ids.get(pool)
         return self._affinity.get(pool_id, []) if pool_id is not None else []
 
+    def members(self, key: Key) -> tuple[int, ...]:
+        """The reuseport group of `key` as tracked: worker numbers in the kernel's order."""
+        return tuple(self._groups.get(key, ()))
+
     def _live(self) -> list[_Worker]:
         return [w for w in self._workers if w is not None and w.ready]
 
@@ -218,10 +223,18 @@ class WorkerPool:
             )
         finally:
             theirs.close()
-        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=ours)
+        except BaseException:
+            ours.close()
+            await _reap(process)
+            raise
         worker = _Worker(index, process, writer, ready=False)
         try:
             hello = await asyncio.wait_for(channel.receive(reader), START_TIMEOUT)
+        except asyncio.CancelledError:  # shutting down while it starts
+            await asyncio.shield(self._end(worker))
+            raise
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
             code = await self._end(worker)
             why = (
@@ -251,6 +264,10 @@ class WorkerPool:
             return
         index = worker.index
         worker.watcher = None  # this task ends here; _end must not cancel it
+        current = asyncio.current_task()
+        assert current is not None
+        self._replacing.add(current)
+        current.add_done_callback(self._replacing.discard)
         code = await self._end(worker)
         if index == SPARE:
             log.warning("the spare worker exited (code %s); starting another", code)
@@ -314,11 +331,7 @@ class WorkerPool:
     async def _end(self, worker: _Worker) -> int | None:
         """Forget a worker that exited (or kill it): its sockets left every group."""
         worker.ready = False
-        process = worker.process
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-        code = await process.wait()
+        code = await _reap(worker.process)
         worker.writer.close()
         for task in (worker.reader_task, worker.watcher):
             if task is not None and task is not asyncio.current_task():
@@ -484,8 +497,10 @@ class WorkerPool:
     async def shutdown(self, grace: float) -> None:
         """Tell every worker to stop accepting and drain within `grace`; then reap them."""
         self._stopping = True
-        if self._spare_task is not None:
-            self._spare_task.cancel()
+        starting = [t for t in (self._spare_task, *self._replacing) if t is not None]
+        for task in starting:
+            task.cancel()
+        await asyncio.gather(*starting, return_exceptions=True)
         waiting = []
         for worker in self._live():
             waiting.append(self._request(worker, "drained", worker.index))
@@ -505,3 +520,11 @@ class WorkerPool:
     def pids(self) -> list[int]:
         """The process IDs of the workers, in slot order (0 for a slot being replaced)."""
         return [w.process.pid if w is not None and w.ready else 0 for w in self._workers]
+
+
+async def _reap(process: asyncio.subprocess.Process) -> int:
+    """Kill `process` if it still runs, and wait for its exit code."""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+    return await process.wait()

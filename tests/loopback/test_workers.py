@@ -144,7 +144,12 @@ async def test_a_killed_worker_is_restarted_and_the_others_keep_serving(
             ),
         ],
     )
-    await wait_for(lambda: proxy.proxier.port_of(echo), 5, "the echo Service")
+    # Steered once every worker listens on it.
+    await wait_for(
+        lambda: set(pool.members(("TCP", "127.0.0.1", proxy.proxier.port_of(echo)))) == {0, 1},
+        5,
+        "both workers to serve the echo Service",
+    )
     port, echo_port = _port(proxy), proxy.proxier.port_of(echo)
     victim = 0
     theirs = [c for c in CLIENTS if worker_of(c, WORKERS) == victim]
