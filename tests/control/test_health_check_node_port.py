@@ -164,7 +164,7 @@ def test_only_load_balancers_with_the_local_policy_get_a_health_check_port() -> 
     def health_port(**spec: Any) -> int:
         svc = service("s", healthCheckNodePort=31000, **spec)
         svc["spec"]["ports"][0]["nodePort"] = 30080
-        infos, _ = parse_service(svc, ("default", "s"))
+        infos = parse_service(svc, ("default", "s"))[0]
         return infos[0].health_check_node_port
 
     assert health_port(type="LoadBalancer", externalTrafficPolicy="Local") == 31000
