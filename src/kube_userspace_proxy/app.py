@@ -275,6 +275,7 @@ async def serve(
     tasks = [
         asyncio.create_task(source.run(), name="source"),
         asyncio.create_task(proxy.runner.loop(), name="sync"),
+        asyncio.create_task(proxy.health.heartbeat(), name="heartbeat"),  # for /livez
     ]
     if started is not None:
         result = started(proxy)

@@ -1,14 +1,21 @@
 """kube-proxy's health semantics for `/healthz` and `/livez` (pkg/proxy/healthcheck).
 
-The proxy is healthy while it starts and whenever no queued change has waited longer than
-twice the sync period for a successful sync. `/healthz` is additionally unhealthy while the
-node is being deleted or tainted `ToBeDeletedByClusterAutoscaler`, so that cloud load balancers
-stop sending traffic to a node about to go; `/livez` ignores the node, so the kubelet does not
-restart a proxy that is merely on a draining node.
+`/healthz`: the proxy is healthy while it starts and whenever no queued change has waited
+longer than twice the sync period for a successful sync; it is also unhealthy while the node is
+being deleted or tainted `ToBeDeletedByClusterAutoscaler`, so that cloud load balancers stop
+sending traffic to a node about to go.
+
+`/livez` differs from kube-proxy's on purpose: it reports only whether the process and its
+event loop are alive (a heartbeat task beats every second; 503 once no beat came for
+`LOOP_STALL_SECONDS`). A rules-sync failure never fails it: the data plane of a proxy whose
+iptables runs fail still carries every Service already programmed, and a kubelet restart
+would cut those connections without fixing iptables. `/healthz` and
+`kubeproxy_sync_proxy_rules_iptables_restore_failures_total` show that failure instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -16,6 +23,10 @@ from typing import Any
 
 HTTP_OK = 200
 HTTP_UNAVAILABLE = 503
+
+LOOP_STALL_SECONDS = 10.0
+"""A heartbeat older than this means the event loop stalled: `/livez` answers 503."""
+HEARTBEAT_SECONDS = 1.0
 
 _ZERO_TIME = "0001-01-01T00:00:00Z"
 """What kube-proxy (Go's zero time.Time) reports as lastUpdated before the first sync."""
@@ -44,6 +55,7 @@ class ProxyHealth:
         self._oldest_queued: float | None = None
         # Eligible until the first node event says otherwise (kube-proxy does the same).
         self._node_eligible = True
+        self._last_beat: float | None = None  # None: no heartbeat task runs (yet)
 
     @property
     def timeout(self) -> float:
@@ -73,20 +85,36 @@ class ProxyHealth:
         """False while our Node is being deleted or tainted ToBeDeletedByClusterAutoscaler."""
         self._node_eligible = eligible
 
+    def beat(self) -> None:
+        """The event loop ran the heartbeat: it is alive now."""
+        self._last_beat = self._clock()
+
+    async def heartbeat(self, interval: float = HEARTBEAT_SECONDS) -> None:
+        """Beat every `interval` seconds, forever (a root task of the process)."""
+        while True:
+            self.beat()
+            await asyncio.sleep(interval)
+
+    def is_alive(self) -> bool:
+        """False when the event loop missed its heartbeat for `LOOP_STALL_SECONDS`."""
+        if self._last_beat is None:
+            return True
+        return self._clock() - self._last_beat <= LOOP_STALL_SECONDS
+
     def is_healthy(self) -> bool:
-        """The proxier's own health, ignoring the node (what `/livez` reports)."""
+        """The proxier's own health, ignoring the node: no change waits too long for a sync."""
         if self._oldest_queued is None:
             return True
         return self._clock() - self._oldest_queued <= self._timeout
 
     def livez(self) -> tuple[int, dict[str, Any]]:
-        """HTTP status and JSON body of `/livez`."""
+        """HTTP status and JSON body of `/livez`: the event loop's liveness only."""
         now = self._clock()
-        healthy = self.is_healthy()
-        return _status(healthy), self._body(healthy, now)
+        alive = self.is_alive()
+        return _status(alive), self._body(self.is_healthy() and alive, now)
 
     def healthz(self) -> tuple[int, dict[str, Any]]:
-        """HTTP status and JSON body of `/healthz`: `/livez` and node eligibility."""
+        """HTTP status and JSON body of `/healthz`: sync health and node eligibility."""
         now = self._clock()
         healthy = self.is_healthy() and self._node_eligible
         body = self._body(healthy, now)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from kube_userspace_proxy.health import ProxyHealth, rfc3339
+from kube_userspace_proxy.health import LOOP_STALL_SECONDS, ProxyHealth, rfc3339
 
 SYNC_PERIOD = 30.0
 START = 1_700_000_000.0
@@ -39,7 +39,6 @@ def test_queued_change_is_healthy_until_twice_the_sync_period() -> None:
     assert health.healthz()[0] == 200
     clock.now += 0.001
     assert health.healthz()[0] == 503
-    assert health.livez()[0] == 503
 
 
 def test_only_the_oldest_queued_change_counts() -> None:
@@ -48,14 +47,14 @@ def test_only_the_oldest_queued_change_counts() -> None:
     clock.now += 2 * SYNC_PERIOD - 1
     health.queued_update()  # a newer change must not restart the timer
     clock.now += 2
-    assert health.livez()[0] == 503
+    assert health.healthz()[0] == 503
 
 
 def test_successful_sync_makes_it_healthy_again() -> None:
     health, clock = make()
     health.queued_update()
     clock.now += 3 * SYNC_PERIOD
-    assert health.livez()[0] == 503
+    assert health.healthz()[0] == 503
     health.synced()
     assert health.livez()[0] == 200
     assert health.healthz()[0] == 200
@@ -93,7 +92,7 @@ def test_unhealthy_body_reports_the_last_successful_sync() -> None:
     clock.now += 1
     health.queued_update()
     clock.now += 3 * SYNC_PERIOD
-    code, body = health.livez()
+    code, body = health.healthz()
     assert code == 503
     assert body["lastUpdated"] == rfc3339(synced_at)
     assert body["currentTime"] == rfc3339(clock.now)
@@ -110,3 +109,25 @@ def test_timestamps_are_rfc3339_utc() -> None:
     text = rfc3339(START + 0.25)
     assert text == "2023-11-14T22:13:20.250Z"
     assert datetime.fromisoformat(text).timestamp() == START + 0.25
+
+
+def test_livez_never_reports_a_sync_failure() -> None:
+    health, clock = make()
+    health.beat()
+    health.queued_update()  # and no sync ever succeeds
+    for _ in range(10):
+        clock.now += SYNC_PERIOD
+        health.beat()
+        assert health.livez()[0] == 200
+    assert health.healthz()[0] == 503
+
+
+def test_livez_fails_when_the_event_loop_misses_its_heartbeat() -> None:
+    health, clock = make()
+    health.beat()
+    clock.now += LOOP_STALL_SECONDS
+    assert health.livez()[0] == 200
+    clock.now += 0.001
+    assert health.livez()[0] == 503
+    health.beat()
+    assert health.livez()[0] == 200
