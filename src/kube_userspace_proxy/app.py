@@ -172,7 +172,7 @@ class Proxy:
             snapshot = replace(snapshot, node_ips=self.config.node_ips)
         self.node_ips = snapshot.node_ips
         self.health.set_node_eligible(state.node_eligible)
-        await self.proxier.sync(snapshot)
+        await self.proxier.sync(snapshot, full=self.runner.periodic)
         await self.service_health.sync(snapshot)
         self.metrics.set_no_local_endpoints(*no_local_endpoints(snapshot))
         self.metrics.set_over_budget(self.proxier.over_budget())

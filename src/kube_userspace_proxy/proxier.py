@@ -20,6 +20,7 @@ from kube_userspace_proxy.balancer import EndpointPool, usable_endpoints
 from kube_userspace_proxy.dataplane import ConnStats, Picker, TcpListener, UdpListener
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
+    Endpoint,
     Path,
     Protocol,
     ProxiedPort,
@@ -137,6 +138,8 @@ class _Served:
     node_port_listeners: list[tuple[str, Listener]] = field(default_factory=list)
     node_port: int = 0
     all_endpoints: int = 0
+    endpoints: tuple[Endpoint, ...] | None = None
+    """The snapshot's endpoint tuple last applied (the state keeps it while it is unchanged)."""
 
     def port_of(self, path: Path) -> int:
         listener = self.listeners.get(path) or self.listeners.get(Path.CLUSTER)
@@ -165,6 +168,10 @@ class Proxier:
         self._budget = budget or DescriptorBudget()
         # Service ports refused because the descriptor budget is spent.
         self._over_budget: set[ServicePortName] = set()
+        # The rule targets and node IPs of the last successful apply.
+        self._applied: tuple[list[ProxiedPort], tuple[str, ...]] | None = None
+        self.rule_applies = 0
+        """Rule sets handed to the portals (a sync that changes no rule target hands none)."""
         self._portals = portals
         self._dataplane = dataplane or LocalDataPlane(udp_idle_timeout=udp_idle_timeout)
         self._node_port_addresses = node_port_addresses or (lambda: (allocator.host,))
@@ -187,8 +194,17 @@ class Proxier:
 
     # ---- reconcile -----------------------------------------------------------------------
 
-    async def sync(self, snapshot: Snapshot) -> None:
-        """Make listeners, pools and rules match `snapshot`; per-port failures are contained."""
+    async def sync(self, snapshot: Snapshot, *, full: bool = True) -> None:
+        """Make listeners, pools and rules match `snapshot`; per-port failures are contained.
+
+        Without `full` (a sync for a change), work follows the change: the state hands over
+        the same objects for what did not change, so a service port whose info and endpoints
+        are the ones last applied is skipped after two identity checks, and the rules are
+        applied only when their targets changed (an endpoint-only change commits none).
+        `full` (the first and the periodic syncs) reconciles every service port, retrying
+        what failed, and hands the rules to the portals, which check them for tampering.
+        """
+        same_node = snapshot.node_name == self.node_name
         self.node_name = snapshot.node_name
         self._budget.start()
         if self._claims is None:
@@ -198,7 +214,18 @@ class Proxier:
         for name in [n for n in self._errors if n not in snapshot.services]:
             del self._errors[name]
         self._over_budget.clear()
+        endpoints = snapshot.endpoints
         for name, info in snapshot.services.items():
+            served = self._served.get(name)
+            if (
+                not full
+                and served is not None
+                and served.info is info
+                and served.endpoints is endpoints.get(name, ())
+                and same_node
+                and name not in self._errors
+            ):
+                continue
             try:
                 await self._reconcile_port(name, info, snapshot)
             except DescriptorBudgetError as exc:
@@ -224,13 +251,17 @@ class Proxier:
             )
         releasable, self._quarantine = self._quarantine, []
         if self._portals is not None:
-            try:
-                await asyncio.to_thread(
-                    self._portals.apply, self.proxied_ports(), snapshot.node_ips
-                )
-            except BaseException:
-                self._quarantine = releasable + self._quarantine
-                raise
+            ports = self.proxied_ports()
+            wanted = (ports, snapshot.node_ips)
+            if full or releasable or wanted != self._applied:
+                self._applied = None
+                try:
+                    await asyncio.to_thread(self._portals.apply, ports, snapshot.node_ips)
+                except BaseException:
+                    self._quarantine = releasable + self._quarantine
+                    raise
+                self._applied = wanted
+                self.rule_applies += 1
         for protocol, port in releasable:
             self._allocator.release(protocol, port)
         if self._claims:
@@ -346,6 +377,7 @@ class Proxier:
     def _update_endpoints(self, served: _Served, snapshot: Snapshot) -> None:
         info = served.info
         endpoints = snapshot.endpoints_of(info.name)
+        served.endpoints = endpoints
         served.all_endpoints = len(endpoints)
         timeout = float(info.affinity_timeout_seconds) if info.client_ip_affinity else None
         for path, pool in served.pools.items():

@@ -49,6 +49,8 @@ class BoundedFrequencyRunner:
         self._refilled = clock()
         self.runs = 0
         self.failures = 0
+        self.periodic = True
+        """True while `fn` runs for the periodic resync (or a retry), not for a request."""
 
     def request(self) -> None:
         """Ask for a sync soon; cheap and safe to call from any callback on the loop."""
@@ -94,6 +96,7 @@ class BoundedFrequencyRunner:
                 self._refill()
                 self._tokens = max(0.0, self._tokens - 1)
             self._wake.clear()
+            self.periodic = not requested
             try:
                 done = await self._fn()
             except asyncio.CancelledError:

@@ -276,3 +276,34 @@ async def test_after_a_restart_each_service_port_gets_back_the_port_its_rules_na
             probe.bind(("127.0.0.1", gone))
     finally:
         await proxier.shutdown(0.5)
+
+
+async def test_an_endpoint_only_change_reaches_the_pool_without_a_rule_apply() -> None:
+    rules = RecordingRules()
+    proxier = Proxier(PortAllocator(None, host="127.0.0.1"), portals=rules)
+    backends = await start_named_backends(["old", "new"])
+    (_, old_port, _), (_, new_port, _) = backends
+    c = ServicePortName("default", "c", "http", Protocol.TCP)
+    # The state hands over the same objects for what did not change, as these snapshots do.
+    info_a, info_b, info_c = _info(A), _info(B), _info(c)
+    old, new = (Endpoint("127.0.0.1", old_port),), (Endpoint("127.0.0.1", new_port),)
+    try:
+        await proxier.sync(_snap([info_a, info_b], {A: old, B: old}))  # the first: full
+        assert len(rules.applied) == 1
+        assert await ask(proxier.port_of(A)) == "old"
+        await proxier.sync(_snap([info_a, info_b], {A: new, B: old}), full=False)
+        assert await ask(proxier.port_of(A)) == "new"
+        assert await ask(proxier.port_of(B)) == "old"
+        assert len(rules.applied) == 1  # no rule target changed: no rules handed over
+        # A new service port changes the rules.
+        added = _snap([info_a, info_b, info_c], {A: new, B: old, c: new})
+        await proxier.sync(added, full=False)
+        assert len(rules.applied) == 2
+        assert {p.info.name for p in rules.applied[-1]} == {A, B, c}
+        # The periodic resync hands the whole set over again (the portals check it).
+        await proxier.sync(added, full=True)
+        assert len(rules.applied) == 3
+    finally:
+        await proxier.shutdown(0.5)
+        for _, _, server in backends:
+            server.close()
