@@ -100,12 +100,15 @@ class Proxy:
             dataplane = self.workers = WorkerPool(
                 workers,
                 udp_idle_timeout=config.udp_idle_timeout,
+                tcp_keepalive=config.tcp_keepalive,
                 verbosity=config.verbosity,
                 log_format=config.log_format,
                 event_loop=config.event_loop,
             )
         else:
-            dataplane = LocalDataPlane(udp_idle_timeout=config.udp_idle_timeout)
+            dataplane = LocalDataPlane(
+                udp_idle_timeout=config.udp_idle_timeout, tcp_keepalive=config.tcp_keepalive
+            )
         allocator = PortAllocator(
             parse_port_range(config.proxy_port_range),
             host=config.bind_address,

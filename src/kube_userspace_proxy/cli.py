@@ -159,6 +159,7 @@ _RUN_FLAGS = (
     _Flag("--bind-address", "bind_address", "str", "IP"),
     _Flag("--proxy-port-range", "proxy_port_range", "str", "range"),
     _Flag("--udp-timeout", "udp_idle_timeout", "duration"),
+    _Flag("--tcp-keepalive", "tcp_keepalive", "duration"),
     _Flag("--iptables-sync-period", "sync_period", "duration"),
     _Flag("--iptables-min-sync-period", "min_sync_period", "duration"),
     _Flag("--config-sync-period", "config_sync_period", "duration"),

@@ -102,6 +102,10 @@ class ProxyConfig(BaseModel):
     """Proxy ports: `begin-end`, `begin+offset`, one port, or empty/`0-0` (kernel-chosen)."""
     udp_idle_timeout: float = 0.25
     """Seconds a UDP client session lives after its last packet in either direction."""
+    tcp_keepalive: float = 15.0
+    """TCP keepalive on both sides of every proxied connection (default 15s, Go's): the
+    first probe after this long idle, then one each as long; the kernel's probe count
+    unanswered (or data unacknowledged as long: TCP_USER_TIMEOUT) ends it. 0 turns it off."""
     sync_period: float = 30.0
     """Seconds between full resyncs of listeners and rules (`--iptables-sync-period`)."""
     min_sync_period: float = 1.0
@@ -198,6 +202,7 @@ class ProxyConfig(BaseModel):
 
     @field_validator(
         "udp_idle_timeout",
+        "tcp_keepalive",
         "sync_period",
         "min_sync_period",
         "config_sync_period",

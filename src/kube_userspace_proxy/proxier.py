@@ -91,14 +91,15 @@ class LocalDataPlane:
 
     shares_ports = False
 
-    def __init__(self, *, udp_idle_timeout: float = 0.25) -> None:
+    def __init__(self, *, udp_idle_timeout: float = 0.25, tcp_keepalive: float = 15.0) -> None:
         self.udp_idle_timeout = udp_idle_timeout
+        self.tcp_keepalive = tcp_keepalive
 
     def listener(
         self, sock: socket.socket, pool: EndpointPool, stats: ConnStats, name: str
     ) -> Listener:
         if sock.type == socket.SOCK_STREAM:
-            return TcpListener(sock, pool, stats, name=name)
+            return TcpListener(sock, pool, stats, name=name, keepalive=self.tcp_keepalive)
         return UdpListener(sock, pool, stats, name=name, idle_timeout=self.udp_idle_timeout)
 
     async def publish(self) -> None:

@@ -76,6 +76,7 @@ class Worker:
         self._group_socks: dict[Key, socket.socket] = {}
         self._retired: list[TcpListener | UdpListener] = []
         self.udp_idle_timeout = 0.25
+        self.tcp_keepalive = 15.0
 
     # ---- the channel -----------------------------------------------------------------------
 
@@ -125,6 +126,7 @@ class Worker:
     ) -> None:
         """Make the listeners and pools match the table; report group joins and leaves."""
         self.udp_idle_timeout = float(settings.get("udp_idle_timeout", self.udp_idle_timeout))
+        self.tcp_keepalive = float(settings.get("tcp_keepalive", self.tcp_keepalive))
         self._routes.update(routes)
         changed: set[int] = set()
         for pool_id, (port_name, addresses, timeout, proxy_protocol) in pools.items():
@@ -186,7 +188,7 @@ class Worker:
             stats = self._stats[name] = ConnStats()
         listener: TcpListener | UdpListener
         if kind == socket.SOCK_STREAM:
-            listener = TcpListener(sock, pool, stats, name=name)
+            listener = TcpListener(sock, pool, stats, name=name, keepalive=self.tcp_keepalive)
             listener.on_listen = lambda joined: self._membership(key, joined)
             await listener.start()
         else:

@@ -130,12 +130,13 @@ class WorkerPool:
         count: int,
         *,
         udp_idle_timeout: float = 0.25,
+        tcp_keepalive: float = 15.0,
         verbosity: int = 0,
         log_format: str = "text",
         event_loop: str = "uvloop",
     ) -> None:
         self.count = count
-        self._settings = {"udp_idle_timeout": udp_idle_timeout}
+        self._settings = {"udp_idle_timeout": udp_idle_timeout, "tcp_keepalive": tcp_keepalive}
         self._argv = ["-v", str(verbosity), "--log-format", log_format, "--event-loop", event_loop]
         self._workers: list[_Worker | None] = [None] * count
         self._spare: _Worker | None = None
