@@ -84,9 +84,7 @@ def test_a_vanished_backend_closes_both_sides_within_the_keepalive_bound(
         proxy = make(objects, "--tcp-keepalive", f"{KEEPALIVE}s")
         proxy.wait_rules(CLUSTER_IP)
         out = tmp_path / "client.log"
-        client = topology.client.popen(
-            ["python3", "-u", "-c", IDLE_CLIENT, CLUSTER_IP, "80"], out
-        )
+        client = topology.client.popen(["python3", "-u", "-c", IDLE_CLIENT, CLUSTER_IP, "80"], out)
         try:
             wait_for(lambda: "connected" in out.read_text(), "client connected", timeout=20)
             assert _established_to_pod(topology) == 1
