@@ -233,6 +233,9 @@ class FakeApiServer:
         self.gone_as_http_status = gone_as_http_status
         self.end_watches_at_once = False
         """Fault switch: every new watch ends cleanly right after its headers."""
+        self.accepted_tokens: set[str] | None = None
+        """When set, resource requests must carry `Authorization: Bearer <one of these>`;
+        others get 401 Unauthorized, as from kube-apiserver (see `rotate_token`)."""
         self.before_request: Callable[[web.Request], None] | None = None
         """Test hook, called as each resource request arrives (before any fault applies)."""
         self.requests: list[RequestRecord] = []
@@ -310,6 +313,11 @@ class FakeApiServer:
         return target
 
     # -- fault switches and counters ----------------------------------------------------------
+
+    def rotate_token(self, token: str) -> None:
+        """Accept only `token` from now on and end every open watch (its token is stale)."""
+        self.accepted_tokens = {token}
+        self.drop_watches()
 
     def drop_watches(self, *, abrupt: bool = True) -> None:
         """End every open watch: `abrupt` cuts the connection, otherwise the stream just ends."""
@@ -517,6 +525,10 @@ class FakeApiServer:
         status = 0
         try:
             if verb != "discovery":
+                if self.accepted_tokens is not None:
+                    given = request.headers.get("Authorization", "").removeprefix("Bearer ")
+                    if given not in self.accepted_tokens:
+                        raise ApiError(401, "Unauthorized", "Unauthorized")
                 if self.before_request is not None:
                     self.before_request(request)
                 hang = next((h for h in self._hangs if h.applies(plural, verb)), None)

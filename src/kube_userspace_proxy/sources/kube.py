@@ -13,6 +13,7 @@ deserialisation is too slow for big clusters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -76,6 +77,7 @@ async def load_client_configuration(
             )
         except Exception as exc:  # the loader raises many types; all mean "bad kubeconfig"
             raise ConfigError(f"cannot load kubeconfig {path}: {exc}") from exc
+        _follow_token_file(loader, configuration)
         if master:
             configuration.host = master.rstrip("/")
     elif master:
@@ -89,6 +91,76 @@ async def load_client_configuration(
                 f"config is unusable ({exc}); run in a pod or pass --kubeconfig"
             ) from exc
     return configuration, loader
+
+
+def _follow_token_file(loader: Any, configuration: Any) -> None:
+    """Re-read a kubeconfig user's `tokenFile` whenever the file changes, as client-go does.
+
+    Projected service-account tokens (kubeadm's kubeconfig.conf names one) are rotated by the
+    kubelet about hourly; the client reads the token once, so without this the proxy would
+    lose the API server when the old token expires. One stat per request: requests are lists
+    and watch starts, not per connection.
+    """
+    user = getattr(loader, "_user", None)
+    if user is not None and "exec" in user:
+        _rerun_expired_exec(loader, configuration)
+        return
+    if user is None or "tokenFile" not in user or user.safe_get("token"):
+        return
+    path = os.path.join(loader._get_base_path(user.path), user["tokenFile"])
+    seen = [_stamp(path)]
+
+    def reread(config: Any, *_: Any) -> None:
+        stamp = _stamp(path)
+        if stamp == seen[0]:
+            return
+        try:
+            with open(path) as handle:
+                token = handle.read().strip()
+        except OSError as exc:
+            log.warning("cannot re-read the API token from %s: %s", path, exc.strerror)
+            return
+        if not token:
+            return  # caught mid-write: the next request reads it again
+        seen[0] = stamp
+        config.api_key["BearerToken"] = f"Bearer {token}"
+        log.info("API token file %s changed: using the new token", path)
+
+    configuration.refresh_api_key_hook = reread
+
+
+def _rerun_expired_exec(loader: Any, configuration: Any) -> None:
+    """Re-run an exec credential plugin at the first request after its token expires.
+
+    (client-go does the same; the client library alone checks only once a minute.) A plugin
+    that gives no expirationTimestamp keeps its token until the minutely check re-runs it.
+    """
+
+    async def rerun(config: Any, *_: Any) -> None:
+        expiry = getattr(loader, "exec_plugin_expiry", None)
+        if expiry is None or not kconfig.kube_config._is_expired(expiry):
+            return
+        run = asyncio.ensure_future(loader.load_from_exec_plugin())
+        try:
+            renewed = await asyncio.shield(run)
+        except asyncio.CancelledError:
+            # Stopping: let the plugin process finish rather than leave it behind.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(run, PLUGIN_GRACE)
+            raise
+        if renewed:
+            config.api_key["BearerToken"] = loader.token
+            log.info("exec credential plugin re-run: its token had expired")
+
+    configuration.refresh_api_key_hook = rerun
+
+
+def _stamp(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)  # follows the ..data symlink a projected volume swaps
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _any_file(paths: str) -> bool:
@@ -123,6 +195,7 @@ class BadData(Exception):
 _RETRYABLE = (aiohttp.ClientError, OSError, TimeoutError, ApiStatusError)
 
 _EXCERPT = 160  # bytes of a bad line quoted in the log
+PLUGIN_GRACE = 5.0  # seconds an exec credential plugin may take to finish when we stop
 REPEAT_LOG_INTERVAL = 60.0  # seconds: the same trouble is logged at most once per interval
 _WATCH_EVENTS: dict[str, Event] = {"ADDED": "ADDED", "MODIFIED": "MODIFIED", "DELETED": "DELETED"}
 
