@@ -356,10 +356,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def _flags_epilog() -> str:
     """`--help`'s list of kube-proxy flags: applied here, or accepted and ignored."""
-    applied = [f.flag for f in _RUN_FLAGS if f.flag not in _OWN_FLAGS]
-    applied += ["--config", "--cleanup", "--write-config-to", "--proxy-mode (userspace)", "--v"]
-    applied += ["--logging-format"]
-    applied += ["--healthz-port", "--metrics-port"]
+    applied = [*KUBE_PROXY_APPLIED, "--proxy-mode (userspace)"]
     listed = [f for f in IGNORED_FLAGS if f not in _UNLISTED]
     return (
         "kube-proxy's command line works unchanged (`kube-userspace-proxy --config=FILE "
@@ -381,17 +378,32 @@ def _wrap(words: list[str]) -> str:
     return "\n".join([*lines, line])
 
 
-# Flags of our own (not kube-proxy's), left out of the kube-proxy list in --help.
-_OWN_FLAGS = {
-    "--service-proxy-name",
-    "--iptables-backend",
-    "--node-ip",
-    "--event-loop",
-    "--log-format",
-    "--shutdown-grace",
-    "--workers",
-    "--metrics-per-service-port",
-}
+# kube-proxy's flags that this proxy applies (the rest of _RUN_FLAGS are its own).
+KUBE_PROXY_APPLIED = (
+    "--bind-address",
+    "--cleanup",
+    "--cluster-cidr",
+    "--config",
+    "--config-sync-period",
+    "--healthz-bind-address",
+    "--healthz-port",
+    "--hostname-override",
+    "--iptables-min-sync-period",
+    "--iptables-sync-period",
+    "--kube-api-burst",
+    "--kube-api-qps",
+    "--kubeconfig",
+    "--logging-format",
+    "--master",
+    "--metrics-bind-address",
+    "--metrics-port",
+    "--nodeport-addresses",
+    "--oom-score-adj",
+    "--proxy-port-range",
+    "--udp-timeout",
+    "--v",
+    "--write-config-to",
+)
 
 
 def _warn_ignored(args: argparse.Namespace) -> None:

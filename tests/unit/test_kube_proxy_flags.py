@@ -198,6 +198,8 @@ def test_help_separates_applied_from_ignored_flags(capsys: pytest.CaptureFixture
     )
     assert "--oom-score-adj" in applied and "--hostname-override" in applied
     assert "--ipvs-scheduler" in ignored and "--oom-score-adj" not in ignored
+    # Only kube-proxy's own flags are listed as kube-proxy flags.
+    assert {f for f in applied.split() if f.startswith("--")} <= set(KUBE_PROXY_FLAGS)
     listed = set(applied.split()) | set(ignored.split())
     for flag in KUBE_PROXY_FLAGS:
         if flag not in cli._UNLISTED:
