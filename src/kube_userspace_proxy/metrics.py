@@ -56,6 +56,7 @@ FIELDS = (
     "udp_dropped_send_failed",
     "udp_dropped_no_descriptors",
     "no_descriptors",
+    "udp_sessions_evicted",
 )
 """The ConnStats fields metrics reads, in the order of a captured row."""
 
@@ -158,6 +159,14 @@ PORT_FAMILIES: tuple[PortFamily, ...] = (
             ("send_failed", "udp_dropped_send_failed"),
             ("no_descriptors", "udp_dropped_no_descriptors"),
         ),
+    ),
+    PortFamily(
+        PREFIX + "udp_sessions_evicted_total",
+        "counter",
+        "Idle UDP sessions ended early to make room for a new client (session table full).",
+        Protocol.UDP,
+        "",
+        (("", "udp_sessions_evicted"),),
     ),
     PortFamily(
         PREFIX + "no_descriptors_total",

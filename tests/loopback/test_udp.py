@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import resource
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -200,7 +201,10 @@ async def test_full_client_table_drops_new_clients(
 ) -> None:
     backend = await udp_backends("a")
     stats = ConnStats()
-    listener = await udp_listener(round_robin(backend.address), stats=stats, max_sessions=2)
+    # Sessions idle less than a fifth of the idle timeout (6 s here) keep their places.
+    listener = await udp_listener(
+        round_robin(backend.address), stats=stats, max_sessions=2, idle_timeout=30
+    )
     admitted = [await clients(), await clients()]
     for client in admitted:
         client.send(b"x", listener.port)
@@ -211,6 +215,80 @@ async def test_full_client_table_drops_new_clients(
     assert stats.udp_dropped_table_full == 1
     assert listener.active_connections == 2
     assert late.inbox.empty()
+
+
+async def test_full_table_gives_the_longest_idle_session_to_a_new_client(
+    udp_backends: Backends,
+    udp_listener: Listeners,
+    clients: Any,
+    round_robin: Any,
+    eventually: Eventually,
+) -> None:
+    backend = await udp_backends("a")
+    stats = ConnStats()
+    # Idle timeout 1 s: a session idle 0.2 s may give its place away when the table is full.
+    listener = await udp_listener(
+        round_robin(backend.address), stats=stats, max_sessions=2, idle_timeout=1.0
+    )
+    quiet, busy = await clients(), await clients()
+    for client in (quiet, busy):
+        client.send(b"x", listener.port)
+        await client.receive()
+    for _ in range(4):  # quiet goes quiet, busy keeps talking
+        await asyncio.sleep(0.1)
+        busy.send(b"y", listener.port)
+        await busy.receive()
+    late = await clients()
+    late.send(b"z", listener.port)
+    assert (await late.receive())[0] == b"a|z"
+    assert (stats.udp_sessions_evicted, stats.udp_dropped) == (1, 0)
+    assert listener.active_connections == 2
+    busy.send(b"w", listener.port)  # the busy client kept its session
+    assert (await busy.receive())[0] == b"a|w"
+    assert stats.udp_sessions_total == 3
+
+
+async def test_a_flood_of_new_clients_on_one_port_does_not_starve_another(
+    udp_backends: Backends,
+    udp_listener: Listeners,
+    clients: Any,
+    round_robin: Any,
+) -> None:
+    backend = await udp_backends("a")
+    flooded_stats, quiet_stats = ConnStats(), ConnStats()
+    flooded = await udp_listener(round_robin(backend.address), stats=flooded_stats, max_sessions=64)
+    quiet = await udp_listener(round_robin(backend.address), stats=quiet_stats)
+    regular = await clients()
+    answered = 0
+    # DNS-like: 2,000 queries, each from a new source port, interleaved with a regular
+    # client's queries on the other port (bounded: 40 rounds of 50).
+    for round_ in range(40):
+        for _ in range(50):
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as one_shot:
+                one_shot.sendto(b"q", ("127.0.0.1", flooded.port))
+        regular.send(f"r{round_}".encode(), quiet.port)
+        data, _ = await regular.receive()
+        answered += data == f"a|r{round_}".encode()
+        await asyncio.sleep(0.02)  # about 2,500 new clients a second
+    assert answered == 40
+    assert flooded.active_connections <= 64
+    # Sessions idle 50 ms (a fifth of the idle timeout) made room for new clients.
+    assert flooded_stats.udp_sessions_evicted > 0
+    assert flooded_stats.udp_sessions_total > 64
+    assert quiet_stats.udp_dropped == 0
+
+
+def test_one_port_holds_at_most_an_eighth_of_the_descriptor_limit(round_robin: Any) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (800, hard))
+        listener = UdpListener(sock, round_robin(), ConnStats())
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        sock.close()
+    # 800 descriptors: a flooded port may hold 100 sessions, the rest stay for other ports.
+    assert listener.max_sessions == 100
 
 
 async def test_endpoint_without_a_server_is_replaced_on_the_next_datagram(

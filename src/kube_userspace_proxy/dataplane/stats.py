@@ -76,6 +76,8 @@ class ConnStats:
     udp_dropped_send_failed: int = 0
     udp_dropped_no_descriptors: int = 0
     no_descriptors: int = 0
+    udp_sessions_evicted: int = 0
+    """Idle UDP sessions ended early to make room for a new client (table full)."""
 
     @property
     def udp_dropped(self) -> int:

@@ -3,11 +3,20 @@
 The service port is a datagram transport; each client address gets a raw non-blocking
 socket connected to its endpoint, read with `loop.add_reader` (no task, no transport per
 session). Replies leave from the service port with `transport.sendto(data, client)`.
+
+Sized for DNS-like load (many clients, each query from a new source port): a port holds up
+to `max_sessions` (16,384) sessions, but never more than an eighth of this process's
+descriptor limit, so that a flood on one port leaves descriptors to every other port. When
+the table is full, a new client takes the place of the session that has been idle longest,
+if it has been idle for a fifth of the idle timeout (50 ms by default: a DNS answer came
+back long before); only when every session is busier than that is the new client dropped
+(counted as `udp_dropped_table_full`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import resource
 import socket
 from typing import Any
 
@@ -17,12 +26,25 @@ from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Pick
 log = logs.get(__name__)
 
 IDLE_TIMEOUT = 0.25
-MAX_SESSIONS = 4096
+MAX_SESSIONS = 16384
+# A full table looks at this many of its oldest sessions for one idle enough to replace.
+_EVICT_LOOK = 4
 # Room for a few 64 KiB datagrams per socket (the kernel caps it at net.core.[rw]mem_max).
 SOCKET_BUFFER = 4 * 1024 * 1024
 _MAX_DATAGRAM = 65536
 # Datagrams read per readiness callback before yielding to other sessions.
 _BURST = 16
+
+
+def session_cap(max_sessions: int) -> int:
+    """`max_sessions`, but at most an eighth of this process's descriptor limit (at least 64).
+
+    Each session is a descriptor: one flooded port must not take them all from the others.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return max_sessions
+    return max(1, min(max_sessions, max(64, soft // 8)))
 
 
 def _size_buffers(sock: socket.socket) -> None:
@@ -152,7 +174,9 @@ class UdpListener:
         self.stats = stats
         self.name = name or f"udp:{self._address[1]}"
         self.idle_timeout = idle_timeout
-        self.max_sessions = max_sessions
+        self.max_sessions = session_cap(max_sessions)
+        # A session idle this long may give its place to a new client when the table is full.
+        self.evict_after = idle_timeout / 5
         self.sessions: dict[Any, _Session] = {}
         self.transport: asyncio.DatagramTransport | None = None
         self._protocol: _ServicePort | None = None
@@ -204,7 +228,7 @@ class UdpListener:
     def _open(self, client: Any) -> _Session | None:
         """A session for a new client, or None (the datagram is dropped and counted)."""
         stats = self.stats
-        if len(self.sessions) >= self.max_sessions:
+        if len(self.sessions) >= self.max_sessions and not self._evict():
             stats.udp_dropped_table_full += 1
             return None
         backend = self.picker.pick(client[0])
@@ -237,6 +261,24 @@ class UdpListener:
         self.stats.udp_sessions_active += 1
         self.stats.udp_sessions_total += 1
         return session
+
+    def _evict(self) -> bool:
+        """End the longest-idle of the oldest sessions if it is idle enough; True if one went.
+
+        Sessions are in the order they were opened; a busy one among the oldest moves to the
+        end, so the next look starts from sessions that may have gone quiet.
+        """
+        sessions = self.sessions
+        oldest_ok = self.loop.time() - self.evict_after
+        for _ in range(min(_EVICT_LOOK, len(sessions))):
+            client = next(iter(sessions))
+            session = sessions[client]
+            if session.last <= oldest_ok:
+                session.close()
+                self.stats.udp_sessions_evicted += 1
+                return True
+            sessions[client] = sessions.pop(client)  # busy: to the back of the line
+        return False
 
     async def close(self) -> None:
         """Stop receiving, end every session and release the port."""
