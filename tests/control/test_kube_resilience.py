@@ -7,6 +7,7 @@ import time
 
 from aiohttp import web
 
+from kube_userspace_proxy.sources.kube import WATCH_READ_SLACK, WATCH_TIMEOUT, watch_timeouts
 from tests.control.conftest import (
     StartSource,
     Watching,
@@ -284,3 +285,31 @@ async def test_expired_continue_token_restarts_the_list(
     # Page 1, page 2 (410: token expired), then pages 1-3 again from scratch.
     assert apiserver.count("services", "list") == 5
     assert [r.status for r in apiserver.records("services", "list")] == [200, 410, 200, 200, 200]
+
+
+def test_a_silent_watch_is_noticed_within_60_seconds_with_the_defaults() -> None:
+    worst = max(
+        watch_timeouts(WATCH_TIMEOUT, WATCH_READ_SLACK, float("inf"), spread)[1]
+        for spread in (0.0, 0.5, 0.999999)
+    )
+    assert worst <= 55  # the read timeout, plus a backoff step and a new request, under 60 s
+    assert watch_timeouts(WATCH_TIMEOUT, WATCH_READ_SLACK, 5.0, 0.5) == (5, 5 + WATCH_READ_SLACK)
+
+
+async def test_a_watch_that_sends_headers_then_nothing_is_restarted(
+    apiserver: FakeApiServer, start_source: StartSource
+) -> None:
+    # The defaults scaled down 10x: timeoutSeconds in [3, 4.5), silent for 1 s more = dead.
+    watching = await start_source(watch_timeout=3.0, watch_read_slack=1.0)
+    apiserver.silence_watches()
+    watches = apiserver.count("services", "watch")
+    began = time.monotonic()
+    apiserver.create(service("late"))  # swallowed by the silent stream
+    await eventually(
+        lambda: apiserver.count("services", "watch") > watches, timeout=15, what="a new watch"
+    )
+    assert time.monotonic() - began <= 4.5 + 1.0 + 2.0  # read timeout + backoff, with margin
+    assert "late" not in watching.services()
+    apiserver.clear_faults()  # the server answers again: the resumed watch brings the change
+    await eventually(lambda: "late" in watching.services(), timeout=15, what="the late service")
+    assert apiserver.count("services", "list") == 1  # resumed from its version, no relist

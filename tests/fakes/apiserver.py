@@ -246,6 +246,7 @@ class FakeApiServer:
         self._watchers: set[_Watcher] = set()
         self._faults: list[_Fault] = []
         self._hangs: list[_Fault] = []
+        self._silent = False
         self._raw_answers: list[_RawAnswer] = []
         self._hang_release = asyncio.Event()
         self._continues: dict[str, tuple[int, list[Obj], str]] = {}
@@ -375,6 +376,7 @@ class FakeApiServer:
         self._faults.clear()
         self._raw_answers.clear()
         self._hangs.clear()
+        self._silent = False
         self._hang_release.set()
         self._hang_release = asyncio.Event()
 
@@ -384,6 +386,11 @@ class FakeApiServer:
         They hang until `clear_faults()` or `stop()`.
         """
         self._hangs.append(_Fault(count, 0, None, plural, verb))
+
+    def silence_watches(self) -> None:
+        """Open watches go silent (no events, no bookmarks, no end); new ones send headers,
+        then nothing. Until `clear_faults()` or `stop()`: then they end."""
+        self._silent = True
 
     def send_bookmarks(self) -> None:
         """Send a BOOKMARK with the current resourceVersion to watches that allow bookmarks."""
@@ -688,6 +695,9 @@ class FakeApiServer:
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         await response.prepare(request)
+        if self._silent:
+            await self._hang_release.wait()
+            return response
         if self.end_watches_at_once:
             await response.write_eof()
             return response
@@ -738,11 +748,17 @@ class FakeApiServer:
             try:
                 item = await asyncio.wait_for(watcher.queue.get(), max(0.0, wake - now))
             except TimeoutError:
+                if self._silent:
+                    await self._hang_release.wait()
+                    return
                 if loop.time() >= deadline:
                     await response.write_eof()
                     return
                 item = "BOOKMARK"
                 next_bookmark = loop.time() + (self.bookmark_interval or 0)
+            if self._silent and item is not _DROP:
+                await self._hang_release.wait()
+                return
             if item is _DROP:
                 if request.transport is not None:
                     request.transport.abort()
