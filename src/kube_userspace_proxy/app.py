@@ -87,7 +87,7 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.health = ProxyHealth(config.sync_period)
+        self.health = ProxyHealth(config.sync_period, families=_families(config.bind_address))
         self.node_ips: tuple[str, ...] = config.node_ips
         self.ops: OpsServer | None = None
         self.synced_once = asyncio.Event()
@@ -195,6 +195,13 @@ class Proxy:
         """Bring the per-service-port counters up to date (summed from the workers)."""
         if self.workers is not None:
             await self.workers.collect(debug=debug)
+
+
+def _families(bind_address: str) -> tuple[str, ...]:
+    """The IP families the proxy ports serve, as kube-proxy names them in health bodies."""
+    if bind_address == "::":
+        return ("IPv4", "IPv6")  # dual stack (IPV6_V6ONLY off)
+    return ("IPv6",) if netutil.ip_family(bind_address) == 6 else ("IPv4",)
 
 
 def build(config: ProxyConfig) -> Proxy:

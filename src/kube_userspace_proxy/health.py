@@ -33,9 +33,14 @@ _ZERO_TIME = "0001-01-01T00:00:00Z"
 
 
 def rfc3339(timestamp: float) -> str:
-    """Format epoch seconds as RFC 3339 in UTC with milliseconds: `2024-05-01T12:00:00.123Z`."""
-    moment = datetime.fromtimestamp(timestamp, UTC)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    """Epoch seconds as Go's RFC3339Nano in UTC, as kube-proxy's JSON has its times:
+    `2024-05-01T12:00:00.123456789Z`, trailing zeros of the fraction dropped."""
+    # A float clock carries microseconds at best; more digits would be noise.
+    micros = round(timestamp * 1e6)
+    seconds, fraction = divmod(micros, 1_000_000)
+    text = datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    digits = f"{fraction:06d}".rstrip("0")
+    return f"{text}.{digits}Z" if digits else f"{text}Z"
 
 
 def _status(healthy: bool) -> int:
@@ -48,7 +53,13 @@ class ProxyHealth:
     Called from the event loop only (sync runner, node watch, HTTP handlers): no locking.
     """
 
-    def __init__(self, sync_period: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        sync_period: float,
+        clock: Callable[[], float] = time.time,
+        families: tuple[str, ...] = ("IPv4",),
+    ) -> None:
+        self._families = families
         self._timeout = 2.0 * sync_period
         self._clock = clock
         self._last_updated: float | None = None
@@ -101,6 +112,23 @@ class ProxyHealth:
             return True
         return self._clock() - self._last_beat <= LOOP_STALL_SECONDS
 
+    def is_ready(self) -> bool:
+        """True once a complete sync has programmed the proxy, while it stays healthy.
+
+        What the chart's readiness probe asks (`/readyz`): unlike `/healthz`, which is healthy
+        while the proxy starts (kube-proxy's rule), a pod that cannot reach the API server and
+        has programmed nothing is not Ready.
+        """
+        return self._last_updated is not None and self.is_healthy()
+
+    def readyz(self) -> tuple[int, dict[str, Any]]:
+        """HTTP status and JSON body of `/readyz`: the first complete sync is done, healthy."""
+        now = self._clock()
+        ready = self.is_ready()
+        body = self._body(ready, now)
+        body["ready"] = ready
+        return _status(ready), body
+
     def is_healthy(self) -> bool:
         """The proxier's own health, ignoring the node: no change waits too long for a sync."""
         if self._oldest_queued is None:
@@ -122,12 +150,23 @@ class ProxyHealth:
         return _status(healthy), body
 
     def _body(self, healthy: bool, now: float) -> dict[str, Any]:
-        # kube-proxy reports lastUpdated = now while healthy (older releases showed the time of
-        # the last sync loop run, which was always recent when healthy); keep that contract.
+        # kube-proxy's body: lastUpdated = now while healthy (older releases showed the time of
+        # the last sync loop run, which was always recent when healthy), `healthy`, and a
+        # `status` per IP family (one sync programs every family here, so they agree).
         if healthy:
             last = rfc3339(now)
         elif self._last_updated is None:
             last = _ZERO_TIME
         else:
             last = rfc3339(self._last_updated)
-        return {"lastUpdated": last, "currentTime": rfc3339(now)}
+        synced = rfc3339(self._last_updated) if self._last_updated is not None else _ZERO_TIME
+        proxier_healthy = self.is_healthy()
+        return {
+            "lastUpdated": last,
+            "currentTime": rfc3339(now),
+            "healthy": healthy,
+            "status": {
+                family: {"lastUpdated": synced, "healthy": proxier_healthy}
+                for family in self._families
+            },
+        }

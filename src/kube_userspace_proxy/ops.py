@@ -145,9 +145,14 @@ def _health_app(health: ProxyHealth, metrics: ProxyMetrics) -> web.Application:
         metrics.livez_served(code)
         return web.json_response(body, status=code, headers=_NOSNIFF)
 
+    async def readyz(_: web.Request) -> web.Response:
+        code, body = health.readyz()
+        return web.json_response(body, status=code, headers=_NOSNIFF)
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", livez)
+    app.router.add_get("/readyz", readyz)
     return app
 
 

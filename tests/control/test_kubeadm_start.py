@@ -7,13 +7,16 @@ the test points at the fake API server and a token file of its own.
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from pathlib import Path
 
 import aiohttp
 import pytest
 import yaml
 
-from kube_userspace_proxy import cli
+from kube_userspace_proxy import app, cli
+from kube_userspace_proxy.config import ProxyConfig
 from tests.fakes.apiserver import FakeApiServer
 from tests.loopback.proxyrun import running_proxy
 from tests.unit.test_kubeadm_config import RELEASES, configmap
@@ -74,3 +77,35 @@ async def test_kubeadm_configmap_starts_the_proxy_with_kube_proxys_values(
     assert doc["clusterCIDR"] == "10.244.0.0/16"
     # The proxy authenticated with the token file kubeadm's kubeconfig names.
     assert apiserver.count() > 0
+
+
+async def test_a_proxy_without_api_access_is_live_but_not_ready(tmp_path: Path) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    server = FakeApiServer(port=dead)
+    kubeconfig.write_text(yaml.safe_dump(server.kubeconfig()))
+    config = ProxyConfig(
+        kubeconfig=str(kubeconfig),
+        bind_address="127.0.0.1",
+        iptables_backend="none",
+        healthz_bind_address="127.0.0.1:0",
+        metrics_bind_address="",
+        hostname_override="node-1",
+        workers="1",
+    )
+    stop = asyncio.Event()
+    started: asyncio.Future[app.Proxy] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(app.serve(config, stop=stop, started=started.set_result))
+    try:
+        proxy = await asyncio.wait_for(started, 10)
+        assert proxy.ops is not None
+        base = f"http://127.0.0.1:{proxy.ops.healthz_port}"
+        async with aiohttp.ClientSession() as http:
+            for path, want in (("/readyz", 503), ("/healthz", 200), ("/livez", 200)):
+                async with http.get(base + path) as resp:
+                    assert resp.status == want, path
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 15) == 0

@@ -100,8 +100,8 @@ async def ops() -> AsyncIterator[Ops]:
 
 async def test_healthz_and_livez_answer_200_with_json_while_starting(ops: Ops) -> None:
     for path, keys in (
-        ("/healthz", {"lastUpdated", "currentTime", "nodeEligible"}),
-        ("/livez", {"lastUpdated", "currentTime"}),
+        ("/healthz", {"lastUpdated", "currentTime", "nodeEligible", "healthy", "status"}),
+        ("/livez", {"lastUpdated", "currentTime", "healthy", "status"}),
     ):
         async with ops.http.get(ops.healthz_url(path)) as resp:
             assert resp.status == 200
@@ -119,6 +119,18 @@ async def test_healthz_turns_503_when_syncs_stall_and_back_after_a_sync(ops: Ops
     ops.health.synced()
     for path in ("/healthz", "/livez"):
         assert (await ops.get(ops.healthz_url(path)))[0] == 200
+
+
+async def test_readyz_is_503_until_the_first_sync_then_200(ops: Ops) -> None:
+    async with ops.http.get(ops.healthz_url("/readyz")) as resp:
+        assert resp.status == 503
+        assert (await resp.json())["ready"] is False
+    assert (await ops.get(ops.healthz_url("/healthz")))[0] == 200  # kube-proxy's rule
+    ops.health.synced()
+    async with ops.http.get(ops.healthz_url("/readyz")) as resp:
+        assert resp.status == 200
+        body = await resp.json()
+    assert body["ready"] is True and body["status"]["IPv4"]["healthy"] is True
 
 
 async def test_ineligible_node_fails_healthz_but_livez_stays_200(ops: Ops) -> None:

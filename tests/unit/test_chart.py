@@ -364,7 +364,7 @@ def test_helm_template_renders_the_node_proxy() -> None:
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"healthz": 10256, "metrics": 10249}
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "healthz"}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "healthz"}
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert {"/run/xtables.lock", "/var/lib/kube-userspace-proxy"} <= mounts
     binding = objects["ClusterRoleBinding"]

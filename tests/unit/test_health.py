@@ -81,8 +81,10 @@ def test_healthy_body_reports_now_as_last_updated() -> None:
         "lastUpdated": rfc3339(clock.now),
         "currentTime": rfc3339(clock.now),
         "nodeEligible": True,
+        "healthy": True,
+        "status": {"IPv4": {"lastUpdated": rfc3339(clock.now - 5), "healthy": True}},
     }
-    assert set(health.livez()[1]) == {"lastUpdated", "currentTime"}
+    assert set(health.livez()[1]) == {"lastUpdated", "currentTime", "healthy", "status"}
 
 
 def test_unhealthy_body_reports_the_last_successful_sync() -> None:
@@ -107,8 +109,27 @@ def test_unhealthy_before_any_sync_reports_zero_time() -> None:
 
 def test_timestamps_are_rfc3339_utc() -> None:
     text = rfc3339(START + 0.25)
-    assert text == "2023-11-14T22:13:20.250Z"
+    assert text == "2023-11-14T22:13:20.25Z"  # Go's RFC3339Nano: trailing zeros dropped
     assert datetime.fromisoformat(text).timestamp() == START + 0.25
+    assert rfc3339(START + 0.000123) == "2023-11-14T22:13:20.000123Z"
+    assert rfc3339(START) == "2023-11-14T22:13:20Z"
+
+
+def test_readiness_waits_for_the_first_complete_sync() -> None:
+    health, clock = make()
+    assert health.healthz()[0] == 200  # kube-proxy's rule: healthy while starting
+    code, body = health.readyz()
+    assert (code, body["ready"]) == (503, False)
+    health.synced()
+    assert health.readyz()[0] == 200
+    health.queued_update()
+    clock.now += 3 * SYNC_PERIOD  # a stuck sync makes it unready again
+    assert health.readyz()[0] == 503
+
+
+def test_every_served_family_has_a_status() -> None:
+    health = ProxyHealth(SYNC_PERIOD, families=("IPv4", "IPv6"))
+    assert set(health.healthz()[1]["status"]) == {"IPv4", "IPv6"}
 
 
 def test_livez_never_reports_a_sync_failure() -> None:
