@@ -6,11 +6,14 @@ expired token would, and the source must come back with the new token, without a
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.control.conftest import eventually, service
@@ -135,3 +138,29 @@ async def test_an_exec_credential_still_valid_is_not_renewed(
     apiserver.create(service("later"))
     await eventually(lambda: "later" in watching.services(), what="a Service after reconnect")
     assert runs(tmp_path) == 1
+
+
+async def test_an_unreachable_api_server_is_an_error_at_every_backoff_step(
+    tmp_path: Path, start_source: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dead = FakeApiServer(port=port)
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(dead.kubeconfig()))
+    with caplog.at_level(logging.ERROR, logger="kube_userspace_proxy.sources.kube"):
+        await start_source(kubeconfig=str(path), wait_listed=False)
+
+        def errors() -> list[str]:
+            return [
+                r.getMessage()
+                for r in caplog.records
+                if r.levelno == logging.ERROR and "Service list failed" in r.getMessage()
+            ]
+
+        await eventually(lambda: len(errors()) >= 3, what="three failed Service lists logged")
+    for line in errors()[:3]:
+        assert f"talking to the API server at http://127.0.0.1:{port}" in line
+        assert "Cannot connect" in line or "Connect call failed" in line or "refused" in line
+    assert [f"retry {n} in" in line for n, line in enumerate(errors()[:3], 1)] == [True] * 3

@@ -271,6 +271,7 @@ class KubeSource:
         self.errors_total = 0  # every failed list or watch, bad data and unexpected errors too
         self.bad_data_total = 0  # malformed events and list bodies
         self._repeats = RepeatLimiter(REPEAT_LOG_INTERVAL)
+        self._api_url = "?"  # known once run() has loaded the client configuration
 
     def resource_version(self, kind: Kind) -> str | None:
         """The version a watch of `kind` would resume from (None before the first list)."""
@@ -279,6 +280,7 @@ class KubeSource:
     async def run(self) -> None:
         """List and watch until cancelled; raises ConfigError if no client config is usable."""
         configuration, loader = await load_client_configuration(self._kubeconfig, self._master)
+        self._api_url = configuration.host
         log.info(
             "Watching %s for Services and EndpointSlices (%s) and Node %s",
             configuration.host,
@@ -382,11 +384,17 @@ class KubeSource:
                 self.errors_total += 1
                 retry_after = exc.retry_after if isinstance(exc, ApiStatusError) else None
                 delay = backoff.next(min(retry_after or 0.0, MAX_RETRY_AFTER))
-                log.warning(
-                    "%s %s failed (%s); retry %d in %.2fs",
+                # Every step is logged: an unreachable or refusing API server is an error
+                # (named, with the reason); a watch stream merely cut is a warning.
+                log.log(
+                    logging.ERROR
+                    if isinstance(exc, OSError | TimeoutError | ApiStatusError)
+                    else logging.WARNING,
+                    "%s %s failed (%s) talking to the API server at %s; retry %d in %.2fs",
                     res.kind,
                     "watch" if listed else "list",
                     _describe(exc),
+                    self._api_url,
                     backoff.failures,
                     delay,
                 )
