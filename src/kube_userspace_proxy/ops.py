@@ -21,6 +21,7 @@ from aiohttp import web
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import ConfigError, PortInUseError
 from kube_userspace_proxy.health import ProxyHealth
+from kube_userspace_proxy.httpguard import GuardedSite
 from kube_userspace_proxy.metrics import CONTENT_TYPE, ProxyMetrics
 
 log = logs.get(__name__)
@@ -105,6 +106,8 @@ class OpsServer:
 
     def __init__(self) -> None:
         self._runners: list[web.AppRunner] = []
+        self.sites: list[GuardedSite] = []
+        """Each site's connection counts (open, refused over the cap, closed for a late header)."""
         self.healthz_address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
 
@@ -124,7 +127,9 @@ class OpsServer:
         await runner.setup()
         self._runners.append(runner)
         bound: tuple[str, int] = sock.getsockname()[:2]
-        await web.SockSite(runner, sock).start()
+        site = GuardedSite(runner, sock)
+        await site.start()
+        self.sites.append(site)
         return bound
 
     async def close(self) -> None:

@@ -1,0 +1,112 @@
+"""The ops sites are bounded: a request-header timeout and a connection cap."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from kube_userspace_proxy import httpguard
+from kube_userspace_proxy.health import ProxyHealth
+from kube_userspace_proxy.metrics import ProxyMetrics
+from kube_userspace_proxy.ops import OpsServer, start_ops
+
+HEADER_TIMEOUT = 0.5
+CAP = 8
+
+
+@pytest.fixture
+async def server(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[OpsServer]:
+    monkeypatch.setattr(httpguard, "HEADER_TIMEOUT", HEADER_TIMEOUT)
+    monkeypatch.setattr(httpguard, "MAX_CONNECTIONS", CAP)
+    ops = await start_ops(
+        healthz_bind="127.0.0.1:0",
+        metrics_bind="127.0.0.1:0",
+        health=ProxyHealth(30.0),
+        metrics=ProxyMetrics(list, process_metrics=False),
+        debug_state=dict,
+        configz=dict,
+    )
+    try:
+        yield ops
+    finally:
+        await ops.close()
+
+
+async def closed_by_peer(reader: asyncio.StreamReader, within: float) -> bool:
+    """True when the server ends the connection (EOF or reset) within `within` seconds."""
+    try:
+        return await asyncio.wait_for(reader.read(1024), within) == b""
+    except ConnectionError:  # reset, or a broken pipe seen by the last write
+        return True
+    except TimeoutError:
+        return False
+
+
+async def test_idle_connections_are_closed_after_the_header_timeout(server: OpsServer) -> None:
+    port = server.healthz_port
+    assert port is not None
+    conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(CAP)]
+    began = time.monotonic()
+    results = await asyncio.gather(*(closed_by_peer(r, 10 * HEADER_TIMEOUT) for r, _ in conns))
+    assert all(results)
+    assert time.monotonic() - began < 10 * HEADER_TIMEOUT
+    for _, writer in conns:
+        writer.close()
+
+
+async def test_a_header_sent_a_byte_at_a_time_is_cut_off(server: OpsServer) -> None:
+    port = server.healthz_port
+    assert port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    began = time.monotonic()
+    try:
+        for byte in request[:-4]:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(HEADER_TIMEOUT / 5)
+            if time.monotonic() - began > 4 * HEADER_TIMEOUT:
+                break
+    except ConnectionError:
+        pass
+    assert await closed_by_peer(reader, 2 * HEADER_TIMEOUT)
+    writer.close()
+
+
+async def test_connections_past_the_cap_are_closed_and_service_resumes(server: OpsServer) -> None:
+    port = server.healthz_port
+    assert port is not None
+    held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(CAP)]
+    extra_reader, extra_writer = await asyncio.open_connection("127.0.0.1", port)
+    assert await closed_by_peer(extra_reader, HEADER_TIMEOUT / 2)  # before any header timeout
+    extra_writer.close()
+    for _, writer in held:
+        writer.close()
+    async with aiohttp.ClientSession() as http:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                async with http.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                    assert resp.status == 200
+                    break
+            except aiohttp.ClientError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+    assert sum(site.refused for site in server.sites) >= 1
+
+
+async def test_keep_alive_requests_keep_working(server: OpsServer) -> None:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=1, force_close=False)
+    ) as http:
+        for _ in range(20):
+            async with http.get(f"http://127.0.0.1:{server.metrics_port}/metrics") as resp:
+                assert resp.status == 200
+                await resp.read()
+        await asyncio.sleep(HEADER_TIMEOUT / 2)
+        async with http.get(f"http://127.0.0.1:{server.healthz_port}/livez") as resp:
+            assert resp.status == 200
