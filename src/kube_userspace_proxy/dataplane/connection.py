@@ -36,6 +36,10 @@ SPLICE_AFTER_READS = 4
 _LINGER_RESET = struct.pack("ii", 1, 0)
 
 
+SocketOptions = tuple[tuple[int, int, int], ...]
+"""(level, option, value) triples for setsockopt."""
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """What every connection of one listener is configured with (fixed for its lifetime)."""
@@ -44,16 +48,31 @@ class Settings:
     dial_timeouts: tuple[float, ...]
     high_water: int
     low_water: int
-    keepalive: tuple[tuple[int, int, int], ...] = ()
-    """setsockopt (level, option, value) triples for dialed sockets; () = keepalive off."""
+    keepalive: SocketOptions = ()
+    """setsockopt triples for keepalive on dialed sockets; () = keepalive off."""
     log_connections: bool = False
     """Per-connection DEBUG lines: decided once per listener, not per connection."""
+
+
+# Dialed sockets get their keepalive options this long after the dial, in one batch per
+# listener: a connection that ends sooner (most short requests) costs no setsockopt at all.
+# The bound that matters (keepalive, 15 s by default) is much longer than this delay.
+KEEPALIVE_DELAY = 1.0
 
 
 class Shared:
     """A listener's state that its connections read and update (uvicorn's ServerState)."""
 
-    __slots__ = ("conns", "idle", "loop", "picker", "splice", "stats")
+    __slots__ = (
+        "conns",
+        "idle",
+        "loop",
+        "picker",
+        "splice",
+        "stats",
+        "sweep",
+        "young",
+    )
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, picker: Picker, stats: ConnStats, splice: bool
@@ -64,6 +83,23 @@ class Shared:
         self.splice = splice  # cleared for good once splice(2) proves unusable here
         self.conns: set[Connection] = set()
         self.idle: asyncio.Future[None] | None = None  # set while drain() waits
+        # Dialed in the last KEEPALIVE_DELAY seconds, keepalive not yet set; and its timer.
+        self.young: list[Connection] = []
+        self.sweep: asyncio.TimerHandle | None = None
+
+    def keep_alive(self, conn: Connection) -> None:
+        """Set keepalive on `conn`'s dialed socket within KEEPALIVE_DELAY, if it lives."""
+        self.young.append(conn)
+        if self.sweep is None:
+            self.sweep = self.loop.call_later(KEEPALIVE_DELAY, self._sweep)
+
+    def _sweep(self) -> None:
+        young, self.young = self.young, []
+        self.sweep = None
+        for conn in young:
+            b = conn.backend
+            if b is not None and not b.transport.is_closing():
+                set_options(b.transport, conn.settings.keepalive)
 
 
 class BackendSide(asyncio.Protocol):
@@ -314,7 +350,7 @@ class Connection(asyncio.Protocol):
             else:
                 self.backend = b
                 if settings.keepalive:
-                    set_options(b.transport, settings.keepalive)
+                    shared.keep_alive(self)
                 self.backend_connected()
             return
         stats.failed += 1
@@ -507,10 +543,6 @@ class Connection(asyncio.Protocol):
             self.fds = None
             os.close(fds[0])
             os.close(fds[1])
-
-
-SocketOptions = tuple[tuple[int, int, int], ...]
-"""(level, option, value) triples for setsockopt."""
 
 
 def set_options(transport: asyncio.BaseTransport, options: SocketOptions) -> None:
