@@ -95,6 +95,7 @@ class Proxy:
         """Syncs completed (listeners, workers and rules all updated)."""
         workers = config.worker_count
         self.workers: WorkerPool | None = None
+        self.portals: Portals | None = None
         dataplane: DataPlane
         if workers > 1:
             dataplane = self.workers = WorkerPool(
@@ -140,6 +141,7 @@ class Proxy:
                 nodeport_addresses=config.nodeport_addresses,
             )
             self.proxier.set_rule_sink(_CountingRules(portals, self.metrics))
+            self.portals = portals
         self.state = ClusterState(
             node_name=netutil.node_name(config.hostname_override or None),
             service_proxy_name=config.service_proxy_name or None,
@@ -190,6 +192,10 @@ class Proxy:
         self.syncs += 1
         self.synced_once.set()
         return True
+
+    def counted_rules(self) -> list[tuple[int, str, str, int, int]] | None:
+        """Our installed rules with their counters (blocking); None when this proxy has none."""
+        return self.portals.counted_rules() if self.portals is not None else None
 
     async def collect(self, *, debug: bool = False) -> None:
         """Bring the per-service-port counters up to date (summed from the workers)."""
@@ -274,6 +280,7 @@ async def serve(
             debug_state=proxy.proxier.debug_state,
             configz=lambda: {kpc.GROUP: effective_document(config)},
             collect=proxy.collect,
+            rules=proxy.counted_rules,
         )
         if proxy.workers is not None:
             await proxy.workers.start()

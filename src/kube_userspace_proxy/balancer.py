@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.model import Endpoint, ServicePortName
@@ -30,6 +31,52 @@ def usable_endpoints(
     if ready:
         return ready
     return tuple(e for e in endpoints if e.serving and e.terminating)
+
+
+RECENT_PICKS = 32
+"""Picks remembered per pool for /debug/ui (a power of two: the ring index is a mask)."""
+_RECENT_MASK = RECENT_PICKS - 1
+# Why an endpoint was picked (kept as ints in the ring; named only when viewed).
+ROUND_ROBIN, PINNED, RETRY, ALL_PENALIZED = 0, 1, 2, 3
+PICK_KINDS = ("round-robin", "affinity", "retry", "all-penalized")
+
+
+@dataclass(frozen=True, slots=True)
+class BalancerView:
+    """What the balancer did for one pool, as /debug/state and /debug/ui show it."""
+
+    endpoints: list[tuple[Address, tuple[int, int, int, int, int]]]
+    """Per endpoint: (active, total, bytes in, bytes out, dial failures), summed over workers."""
+    picks: list[tuple[int | None, list[tuple[Address, str]]]]
+    """Per process (worker index, None for this process): its last picks, oldest first."""
+    penalized: list[tuple[Address, float]]
+    """Endpoints skipped after a failed dial: (endpoint, seconds left)."""
+
+
+class EndpointTally:
+    """Counters of one endpoint in one pool, plain ints the data plane bumps (see Picker).
+
+    TCP: `active` open connections, `total` connections that reached it; UDP: sessions.
+    `bytes_in` client -> endpoint, `bytes_out` endpoint -> client; `dial_failures` its
+    failed dials. Kept across endpoint updates while the address stays.
+    """
+
+    __slots__ = ("active", "address", "bytes_in", "bytes_out", "dial_failures", "total")
+
+    def __init__(self, address: Address) -> None:
+        self.address = address
+        self.active = 0
+        self.total = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.dial_failures = 0
+
+    def values(self) -> tuple[int, int, int, int, int]:
+        """(active, total, bytes_in, bytes_out, dial_failures)."""
+        return (self.active, self.total, self.bytes_in, self.bytes_out, self.dial_failures)
+
+
+_NOBODY = EndpointTally(("", 0))  # `picked` before any pick: a sink nobody reads
 
 
 class _Pin:
@@ -69,6 +116,14 @@ class EndpointPool:
         self._pins: dict[str, _Pin] = {}
         self._penalties: dict[Address, float] = {}  # address -> monotonic time it ends
         self._sweep_at = min(1024, self.max_affinity_entries)
+        self._tallies: tuple[EndpointTally, ...] = ()  # parallel to _addresses
+        self._tally_of: dict[Address, EndpointTally] = {}
+        self.picked: EndpointTally = _NOBODY
+        """The tally of the endpoint the last pick() returned (read right after picking)."""
+        # The last RECENT_PICKS picks, as a ring: which endpoint, and why (a PICK_KINDS index).
+        self._recent: list[EndpointTally] = [_NOBODY] * RECENT_PICKS
+        self._recent_kind: list[int] = [0] * RECENT_PICKS
+        self._picks = 0
         self.proxy_protocol = 0
         """PROXY protocol version the data plane sends these endpoints first (0: none)."""
 
@@ -106,6 +161,27 @@ class EndpointPool:
             if now - pin.last_used < timeout
         ]
 
+    def tallies(self) -> list[tuple[Address, tuple[int, int, int, int, int]]]:
+        """Each usable endpoint's counters (see `EndpointTally.values`), in round-robin order."""
+        return [(t.address, t.values()) for t in self._tallies]
+
+    def recent_picks(self) -> list[tuple[Address, str]]:
+        """The last picks, oldest first: (endpoint, why: one of PICK_KINDS)."""
+        n = self._picks
+        first = max(0, n - RECENT_PICKS)
+        return [
+            (
+                self._recent[i & _RECENT_MASK].address,
+                PICK_KINDS[self._recent_kind[i & _RECENT_MASK]],
+            )
+            for i in range(first, n)
+        ]
+
+    def penalized(self) -> list[tuple[Address, float]]:
+        """Endpoints skipped after a failed dial: (endpoint, seconds left)."""
+        now = self._clock()
+        return [(a, until - now) for a, until in self._penalties.items() if until > now]
+
     # -- changing ------------------------------------------------------------------------------
 
     def update(self, endpoints: Sequence[Endpoint], *, affinity_timeout: float | None) -> None:
@@ -122,6 +198,9 @@ class EndpointPool:
             return
         old = self._addresses
         self._addresses = addresses
+        tally_of = self._tally_of
+        self._tally_of = {a: tally_of.get(a) or EndpointTally(a) for a in addresses}
+        self._tallies = tuple(self._tally_of[a] for a in addresses)
         self._cursor = _carry_cursor(old, self._cursor, addresses)
         alive = set(addresses)
         if self._pins:
@@ -131,7 +210,10 @@ class EndpointPool:
 
     def dial_failed(self, address: Address) -> None:
         """Skip `address` for `penalty_seconds` (its dial just failed)."""
-        if address in self._addresses and self.penalty_seconds > 0:
+        tally = self._tally_of.get(address)
+        if tally is not None:
+            tally.dial_failures += 1
+        if tally is not None and self.penalty_seconds > 0:
             self._penalties[address] = self._clock() + self.penalty_seconds
 
     def pick(self, client_ip: str, *, retry: bool = False) -> Address | None:
@@ -149,6 +231,11 @@ class EndpointPool:
             # Fast path: plain round robin, no clock read.
             cursor = self._cursor
             self._cursor = cursor + 1 if cursor + 1 < count else 0
+            tally = self.picked = self._tallies[cursor]
+            n = self._picks
+            self._recent[n & _RECENT_MASK] = tally
+            self._recent_kind[n & _RECENT_MASK] = ROUND_ROBIN
+            self._picks = n + 1
             return addresses[cursor]
         now = self._clock()
         if timeout is not None and not retry:
@@ -159,15 +246,23 @@ class EndpointPool:
                 and (not self._penalties or not self._penalised(pin.address, now))
             ):
                 pin.last_used = now
+                self._record(pin.address, PINNED)
                 return pin.address
-        address = self._next(addresses, count, now)
+        address = self._next(addresses, count, now, retry)
         if timeout is not None:
             self._pin(client_ip, address, now, timeout)
         return address
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _next(self, addresses: tuple[Address, ...], count: int, now: float) -> Address:
+    def _record(self, address: Address, kind: int) -> None:
+        tally = self.picked = self._tally_of.get(address, _NOBODY)
+        n = self._picks
+        self._recent[n & _RECENT_MASK] = tally
+        self._recent_kind[n & _RECENT_MASK] = kind
+        self._picks = n + 1
+
+    def _next(self, addresses: tuple[Address, ...], count: int, now: float, retry: bool) -> Address:
         cursor = self._cursor
         first = cursor
         for _ in range(count):
@@ -175,9 +270,11 @@ class EndpointPool:
             cursor = cursor + 1 if cursor + 1 < count else 0
             if not self._penalties or not self._penalised(address, now):
                 self._cursor = cursor
+                self._record(address, RETRY if retry else ROUND_ROBIN)
                 return address
         # Every endpoint is penalised: still try one, in round-robin order.
         self._cursor = first + 1 if first + 1 < count else 0
+        self._record(addresses[first], ALL_PENALIZED)
         return addresses[first]
 
     def _penalised(self, address: Address, now: float) -> bool:

@@ -328,7 +328,10 @@ def make_parser() -> argparse.ArgumentParser:
         "(no cluster, no root, no rules installed)",
     )
     demo.add_argument(
-        "--serve", action="store_true", help="Keep serving and print commands to try (default: off)"
+        "--serve",
+        action="store_true",
+        help="Keep serving with a trickle of demo traffic; print commands to try and the"
+        " /debug/ui URL (default: off)",
     )
     demo.add_argument(
         "--requests",

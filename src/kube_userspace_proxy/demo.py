@@ -205,6 +205,7 @@ async def _run(serve: bool, requests: int) -> int:
                         print("\n\n".join(out), flush=True)
                         if serve:
                             _print_try(proxy)
+                            await _trickle(proxy, stop)
                     except Exception as exc:  # reported below, then the demo stops
                         failure.append(exc)
                     finally:
@@ -228,6 +229,30 @@ async def _run(serve: bool, requests: int) -> int:
 _tasks: set[asyncio.Task[None]] = set()
 
 
+TRICKLE_PERIOD = 1.5
+"""Seconds between two rounds of demo traffic while serving."""
+TRICKLE_ROUNDS = 57600
+"""Rounds before the trickle stops by itself (a day)."""
+
+
+async def _trickle(proxy: app.Proxy, stop: asyncio.Event) -> None:
+    """A little traffic through each demo Service, so /debug/ui has something to show."""
+    proxier = proxy.proxier
+    for i in range(TRICKLE_ROUNDS):
+        if stop.is_set():
+            return
+        try:
+            await http_get("127.0.0.1", proxier.port_of(MYAPP))
+            # Two client addresses: the sticky Service pins each to its own endpoint.
+            source = "127.0.0.1" if i % 2 else "127.0.0.2"
+            await http_get("127.0.0.1", proxier.port_of(STICKY), source=source)
+            await udp_ask("127.0.0.1", proxier.port_of(ECHO), b"ping %d" % i)
+        except (OSError, TimeoutError) as exc:  # e.g. a Service being reloaded: try again
+            log.debug("demo traffic: %r", exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), TRICKLE_PERIOD)
+
+
 def _print_try(proxy: app.Proxy) -> None:
     proxier = proxy.proxier
     ops = proxy.ops
@@ -238,6 +263,8 @@ def _print_try(proxy: app.Proxy) -> None:
     print(f"  echo hi | nc -u -w1 127.0.0.1 {proxier.port_of(ECHO)}     # {ECHO}")
     if ops is not None and ops.metrics_port:
         base = f"http://127.0.0.1:{ops.metrics_port}"
+        print(f"\n  Open {base}/debug/ui in a browser: each Service's path, live")
+        print("  (a little demo traffic flows every 1.5 s)\n")
         print(f"  curl -s {base}/metrics | grep kube_userspace_proxy_    # per-service counters")
         print(f"  curl -s {base}/debug/state         # service port -> proxy port -> endpoints")
     if ops is not None and ops.healthz_port:

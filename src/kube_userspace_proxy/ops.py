@@ -2,7 +2,7 @@
 
 Health site (`--healthz-bind-address`, default 0.0.0.0:10256): `/healthz`, `/livez`.
 Metrics site (`--metrics-bind-address`, default 127.0.0.1:10249): `/metrics`, `/proxyMode`,
-`/healthz` (a plain "ok": the metrics server is up), `/configz`, `/debug/state`.
+`/healthz` (a plain "ok": the metrics server is up), `/configz`, `/debug/state`, `/debug/ui`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.debugui import DebugUi, RuleSource
 from kube_userspace_proxy.errors import ConfigError, PortInUseError
 from kube_userspace_proxy.health import ProxyHealth
 from kube_userspace_proxy.httpguard import GuardedSite
@@ -162,7 +163,11 @@ def _health_app(health: ProxyHealth, metrics: ProxyMetrics) -> web.Application:
 
 
 def _metrics_app(
-    metrics: ProxyMetrics, debug_state: StateSource, configz: StateSource, collect: Collector
+    metrics: ProxyMetrics,
+    debug_state: StateSource,
+    configz: StateSource,
+    collect: Collector,
+    rules: RuleSource | None = None,
 ) -> web.Application:
     async def scrape(_: web.Request) -> web.Response:
         await collect()
@@ -196,6 +201,7 @@ def _metrics_app(
     app.router.add_get("/healthz", ping)
     app.router.add_get("/configz", config)
     app.router.add_get("/debug/state", state)
+    DebugUi(debug_state, collect, rules).add_routes(app)
     return app
 
 
@@ -208,6 +214,7 @@ async def start_ops(
     debug_state: StateSource,
     configz: StateSource,
     collect: Collector = _nothing_to_collect,
+    rules: RuleSource | None = None,
 ) -> OpsServer:
     """Bind and start both sites; raises PortInUseError or ConfigError before serving anything."""
     healthz_at = parse_bind_address(
@@ -230,7 +237,7 @@ async def start_ops(
             server.healthz_address = await server.serve(app, next(pending))
             log.info("Serving /healthz and /livez on %s", _show(server.healthz_address))
         if metrics_at is not None:
-            app = _metrics_app(metrics, debug_state, configz, collect)
+            app = _metrics_app(metrics, debug_state, configz, collect, rules)
             server.metrics_address = await server.serve(app, next(pending))
             log.info("Serving /metrics and /proxyMode on %s", _show(server.metrics_address))
     except BaseException:

@@ -16,7 +16,7 @@ from typing import Any
 from typing import Protocol as TypingProtocol
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.balancer import EndpointPool, usable_endpoints
+from kube_userspace_proxy.balancer import BalancerView, EndpointPool, usable_endpoints
 from kube_userspace_proxy.dataplane import ConnStats, Picker, TcpListener, UdpListener
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
@@ -31,6 +31,9 @@ from kube_userspace_proxy.model import (
 from kube_userspace_proxy.ports import DescriptorBudget, PortAllocator
 
 log = logs.get(__name__)
+
+
+Address = tuple[str, int]
 
 
 class Listener(TypingProtocol):
@@ -85,6 +88,10 @@ class DataPlane(TypingProtocol):
         """The live ClientIP pins of `pool`: (client, endpoint, seconds left)."""
         ...
 
+    def balancer_view(self, pool: EndpointPool) -> BalancerView:
+        """`pool`'s per-endpoint counters, recent picks (per process) and penalized endpoints."""
+        ...
+
 
 class LocalDataPlane:
     """Listeners on this process's event loop (`--workers 1`)."""
@@ -107,6 +114,9 @@ class LocalDataPlane:
 
     def affinity_entries(self, pool: EndpointPool) -> list[tuple[str, tuple[str, int], float]]:
         return pool.affinity_entries()
+
+    def balancer_view(self, pool: EndpointPool) -> BalancerView:
+        return BalancerView(pool.tallies(), [(None, pool.recent_picks())], pool.penalized())
 
 
 _local: DataPlane = LocalDataPlane()  # conformance: LocalDataPlane is a DataPlane
@@ -551,6 +561,10 @@ class Proxier:
                     for path, pool in served.pools.items()
                 },
                 "knownEndpoints": served.all_endpoints,
+                "balancer": {
+                    str(path): _balancer_json(self._dataplane.balancer_view(pool))
+                    for path, pool in served.pools.items()
+                },
                 "affinity": [
                     {
                         "clientIP": client,
@@ -580,6 +594,34 @@ class Proxier:
         for name, message in sorted(self._errors.items()):
             out.setdefault(str(name), {})["error"] = message
         return out
+
+
+def _show(address: Address) -> str:
+    ip, port = address
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _balancer_json(view: BalancerView) -> dict[str, Any]:
+    return {
+        "endpoints": [
+            {
+                "endpoint": _show(address),
+                "active": values[0],
+                "total": values[1],
+                "bytesIn": values[2],
+                "bytesOut": values[3],
+                "dialFailures": values[4],
+            }
+            for address, values in view.endpoints
+        ],
+        "recentPicks": [
+            {"worker": worker, "picks": [[_show(a), why] for a, why in picks]}
+            for worker, picks in view.picks
+        ],
+        "penalized": [
+            {"endpoint": _show(a), "secondsLeft": round(left, 1)} for a, left in view.penalized
+        ],
+    }
 
 
 def local_addresses_in(cidrs: Sequence[str], addresses: Iterable[str]) -> list[str]:

@@ -241,10 +241,15 @@ class Worker:
         stats = {
             name: tuple(getattr(s, field) for field in COUNTERS) for name, s in self._stats.items()
         }
-        affinity = None
+        affinity = balancers = None
         if debug:
             affinity = {pid: pool.affinity_entries() for pid, pool in self._pools.items()}
-        channel.send(self._writer, ("collected", request, self.index, stats, affinity))
+            balancers = {
+                pid: (pool.tallies(), pool.recent_picks(), pool.penalized())
+                for pid, pool in self._pools.items()
+            }
+        message = ("collected", request, self.index, stats, affinity, balancers)
+        channel.send(self._writer, message)
 
     async def drain(self, grace: float) -> None:
         """Stop accepting everywhere, then give open connections `grace` seconds."""

@@ -22,7 +22,7 @@ import weakref
 from typing import Any
 
 from kube_userspace_proxy import channel, logs
-from kube_userspace_proxy.balancer import EndpointPool
+from kube_userspace_proxy.balancer import BalancerView, EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats, Picker, steering
 from kube_userspace_proxy.errors import ProxyError
 
@@ -153,6 +153,7 @@ class WorkerPool:
         self._reports: dict[int, dict[str, tuple[int, ...]]] = {}
         self._dead_totals: dict[str, list[int]] = {}
         self._affinity: dict[int, Pins] = {}
+        self._balancers: dict[int, list[tuple[int, Any]]] = {}
         self._stopping = False
         self._table: tuple[list[Any], dict[int, Any]] | None = None
         self.restarts = 0
@@ -196,6 +197,29 @@ class WorkerPool:
 
     def _live(self) -> list[_Worker]:
         return [w for w in self._workers if w is not None and w.ready]
+
+    def balancer_view(self, pool: EndpointPool) -> BalancerView:
+        """What each worker's copy of `pool` reported at the last `collect(debug=True)`.
+
+        Endpoint counters are summed over the running workers (a dead worker's are lost);
+        each worker balances on its own, so picks are listed per worker.
+        """
+        pool_id = self._pool_ids.get(pool)
+        seen = self._balancers.get(pool_id, []) if pool_id is not None else []
+        sums: dict[Address, list[int]] = {a: [0] * 5 for a in pool.addresses}
+        penalized: dict[Address, float] = {}
+        picks: list[tuple[int | None, list[tuple[Address, str]]]] = []
+        for worker, (tallies, recent, penalties) in sorted(seen, key=lambda item: item[0]):
+            for address, values in tallies:
+                total = sums.get(address)
+                if total is not None:
+                    for i, value in enumerate(values):
+                        total[i] += value
+            picks.append((worker, recent))
+            for address, left in penalties:
+                penalized[address] = max(left, penalized.get(address, 0.0))
+        endpoints = [(a, (v[0], v[1], v[2], v[3], v[4])) for a, v in sums.items()]
+        return BalancerView(endpoints, picks, sorted(penalized.items()))
 
     # ---- starting and supervising ------------------------------------------------------------
 
@@ -470,14 +494,18 @@ class WorkerPool:
             *(asyncio.wait_for(w, COLLECT_TIMEOUT) for w in waiting), return_exceptions=True
         )
         affinity: dict[int, Pins] = {}
+        balancers: dict[int, list[tuple[int, Any]]] = {}
         for reply in replies:
             if isinstance(reply, BaseException):
                 continue
             self._reports[reply[2]] = reply[3]
             for pool_id, pins in (reply[4] or {}).items():
                 affinity.setdefault(pool_id, []).extend(pins)
+            for pool_id, seen in (reply[5] or {}).items():
+                balancers.setdefault(pool_id, []).append((reply[2], seen))
         if debug:
             self._affinity = affinity
+            self._balancers = balancers
         self._sum()
 
     def _sum(self) -> None:

@@ -21,6 +21,7 @@ from typing import Any, cast
 import pytest
 import uvloop
 
+from kube_userspace_proxy.balancer import EndpointTally
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener
 
 DATAPLANE_FILES = {"test_tcp.py", "test_udp.py"}
@@ -74,6 +75,7 @@ class RoundRobin:
         self.retries = 0
         self._next = 0
         self.proxy_protocol = 0
+        self.picked = EndpointTally(("", 0))
 
     def pick(self, client_ip: str, *, retry: bool = False) -> tuple[str, int] | None:
         if retry:

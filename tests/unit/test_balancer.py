@@ -299,3 +299,52 @@ def test_update_with_same_endpoints_changes_nothing() -> None:
     pool.update(eps(3), affinity_timeout=60)
     assert pool.pick("c") == pinned
     assert pool.pick("third") not in (None, before)
+
+
+# -- what /debug/ui shows: recent picks, per-endpoint tallies, penalties ----------------------
+
+
+def test_recent_picks_show_the_round_robin_order_oldest_first() -> None:
+    pool = pool_of(eps(3))
+    picked = [pool.pick("10.1.0.1") for _ in range(5)]
+    assert pool.recent_picks() == [(address, "round-robin") for address in picked]
+    assert [a[0] for a in picked] == ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.1", "10.0.0.2"]
+
+
+def test_recent_picks_keep_only_the_last_32() -> None:
+    pool = pool_of(eps(3))
+    picked = [pool.pick("10.1.0.1") for _ in range(40)]
+    assert [a for a, _ in pool.recent_picks()] == picked[-32:]
+
+
+def test_recent_picks_name_affinity_retries_and_the_all_penalized_fallback() -> None:
+    clock = Clock()
+    pool = pool_of(eps(2), clock, timeout=60)
+    first = pool.pick("10.1.0.1")
+    assert pool.pick("10.1.0.1") == first  # pinned
+    assert first is not None
+    pool.dial_failed(first)
+    retried = pool.pick("10.1.0.1", retry=True)
+    assert retried is not None
+    pool.dial_failed(retried)
+    pool.pick("10.1.0.2")  # both penalized: tried anyway
+    kinds = [why for _, why in pool.recent_picks()]
+    assert kinds == ["round-robin", "affinity", "retry", "all-penalized"]
+    assert sorted(a for a, _ in pool.penalized()) == sorted([first, retried])
+    clock.advance(2)
+    assert pool.penalized() == []
+
+
+def test_picked_is_the_tally_of_the_endpoint_just_picked_and_survives_updates() -> None:
+    pool = pool_of(eps(3))
+    address = pool.pick("10.1.0.1")
+    tally = pool.picked
+    assert tally.address == address
+    tally.total += 1
+    tally.bytes_in += 100
+    pool.dial_failed(("10.0.0.2", 8080))
+    pool.update(eps(2), affinity_timeout=None)  # 10.0.0.3 goes, the others stay
+    assert pool.tallies() == [
+        (("10.0.0.1", 8080), (0, 1, 100, 0, 0)),
+        (("10.0.0.2", 8080), (0, 0, 0, 0, 1)),
+    ]

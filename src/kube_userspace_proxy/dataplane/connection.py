@@ -25,13 +25,25 @@ from typing import Any
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.dataplane import proxyproto
 from kube_userspace_proxy.dataplane import splice as splicing
-from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, notices
+from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, Tally, notices
 
 log = logs.get(__name__)
 
 # A direction switches to splice after this many consecutive reads of at least this size.
 SPLICE_MIN_READ = 64 * 1024
 SPLICE_AFTER_READS = 4
+
+
+class _NoTally:
+    """Counters of a connection not yet dialed: bumped by nobody, read by nobody."""
+
+    __slots__ = ("active", "bytes_in", "bytes_out", "total")
+
+    def __init__(self) -> None:
+        self.active = self.total = self.bytes_in = self.bytes_out = 0
+
+
+_NO_TALLY: Tally = _NoTally()
 # SO_LINGER on, 0 s: close() sends a RST (struct linger).
 _LINGER_RESET = struct.pack("ii", 1, 0)
 
@@ -127,6 +139,7 @@ class BackendSide(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         c = self.client
         c.stats.bytes_out += len(data)
+        c.ep.bytes_out += len(data)
         c.transport.write(data)
         if c.splicing and len(data) >= SPLICE_MIN_READ:
             c.big_out += 1
@@ -171,6 +184,7 @@ class Connection(asyncio.Protocol):
         "big_in",
         "big_out",
         "dial",
+        "ep",
         "fds",
         "in_done",
         "out_done",
@@ -205,6 +219,7 @@ class Connection(asyncio.Protocol):
         self.pump_in: splicing.SplicePump | None = None
         self.pump_out: splicing.SplicePump | None = None
         self.fds: tuple[int, int] | None = None
+        self.ep: Tally = _NO_TALLY  # the endpoint's counters, once dialed
 
     def start(self, sock: socket.socket, client_ip: str) -> None:
         """Serve an accepted client socket: one task wraps it in a transport, then dials."""
@@ -246,6 +261,7 @@ class Connection(asyncio.Protocol):
                 self.transport.pause_reading()
             return
         self.stats.bytes_in += len(data)
+        self.ep.bytes_in += len(data)
         b.transport.write(data)
         if self.splicing and len(data) >= SPLICE_MIN_READ:
             self.big_in += 1
@@ -285,6 +301,7 @@ class Connection(asyncio.Protocol):
         b = self.backend
         if b is not None:
             self.stats.completed += 1
+            self.ep.active -= 1
             if self.settings.log_connections:
                 log.debug(
                     "%s: %s closed (%s)", self.settings.name, _peer(self.transport), exc or "normal"
@@ -306,6 +323,7 @@ class Connection(asyncio.Protocol):
         picker = shared.picker
         stats = self.stats
         address = picker.pick(client_ip)
+        ep = picker.picked  # before the next await: other connections pick meanwhile
         if address is None:
             stats.refused_no_endpoints += 1
             self._give_up()
@@ -341,6 +359,7 @@ class Connection(asyncio.Protocol):
                 if next_address is None:
                     break
                 address = next_address
+                ep = picker.picked
                 continue
             finally:
                 timer.cancel()
@@ -349,6 +368,9 @@ class Connection(asyncio.Protocol):
                 _reset(b.transport)
             else:
                 self.backend = b
+                self.ep = ep
+                ep.active += 1
+                ep.total += 1
                 if settings.keepalive:
                     shared.keep_alive(self)
                 self.backend_connected()
@@ -383,6 +405,7 @@ class Connection(asyncio.Protocol):
         self.pending = None
         if pending:
             self.stats.bytes_in += self.pending_size
+            self.ep.bytes_in += self.pending_size
             b.transport.writelines(pending)
         self.pending_size = 0
         if self.in_done and b.transport.can_write_eof():
@@ -480,9 +503,11 @@ class Connection(asyncio.Protocol):
 
     def _count_in(self, n: int) -> None:
         self.stats.bytes_in += n
+        self.ep.bytes_in += n
 
     def _count_out(self, n: int) -> None:
         self.stats.bytes_out += n
+        self.ep.bytes_out += n
 
     def _spliced_eof_in(self) -> None:
         assert self.fds is not None

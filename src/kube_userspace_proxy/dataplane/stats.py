@@ -17,6 +17,15 @@ NO_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENO
 """errno values meaning "this process (or the node) is out of descriptors or socket memory"."""
 
 
+class Tally(Protocol):
+    """One endpoint's counters (the balancer's EndpointTally): plain ints, bumped in place."""
+
+    active: int
+    total: int
+    bytes_in: int
+    bytes_out: int
+
+
 class Picker(Protocol):
     """Chooses backends for one service port (the balancer's EndpointPool fits this shape)."""
 
@@ -30,6 +39,11 @@ class Picker(Protocol):
 
     def __bool__(self) -> bool:
         """True while the picker has usable endpoints."""
+        ...
+
+    @property
+    def picked(self) -> Tally:
+        """The counters of the endpoint the last `pick()` returned; read right after picking."""
         ...
 
     proxy_protocol: int

@@ -21,7 +21,7 @@ import socket
 from typing import Any
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, notices
+from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, Tally, notices
 
 log = logs.get(__name__)
 
@@ -58,12 +58,20 @@ def _size_buffers(sock: socket.socket) -> None:
 class _Session:
     """One client address and its connected backend socket."""
 
-    __slots__ = ("backend", "client", "fd", "last", "lst", "sock", "timer")
+    __slots__ = ("backend", "client", "ep", "fd", "last", "lst", "sock", "timer")
 
     def __init__(
-        self, lst: UdpListener, client: Any, backend: tuple[str, int], sock: socket.socket
+        self,
+        lst: UdpListener,
+        client: Any,
+        backend: tuple[str, int],
+        sock: socket.socket,
+        ep: Tally,
     ) -> None:
         self.lst = lst
+        self.ep = ep  # the endpoint's counters
+        ep.active += 1
+        ep.total += 1
         self.client = client
         self.backend = backend
         self.sock = sock
@@ -85,6 +93,7 @@ class _Session:
             self._failed(exc)
             return
         stats.bytes_in += len(data)
+        self.ep.bytes_in += len(data)
 
     def _readable(self) -> None:
         lst = self.lst
@@ -105,6 +114,7 @@ class _Session:
             transport.sendto(data, self.client)
             stats.udp_datagrams_out += 1
             stats.bytes_out += len(data)
+            self.ep.bytes_out += len(data)
 
     def _failed(self, exc: OSError) -> None:
         # The endpoint rejected us (ICMP port unreachable): let the next datagram pick anew.
@@ -128,6 +138,7 @@ class _Session:
         lst.loop.remove_reader(self.fd)
         self.sock.close()
         lst.stats.udp_sessions_active -= 1
+        self.ep.active -= 1
 
 
 class _ServicePort(asyncio.DatagramProtocol):
@@ -232,6 +243,7 @@ class UdpListener:
             stats.udp_dropped_table_full += 1
             return None
         backend = self.picker.pick(client[0])
+        ep = self.picker.picked
         if backend is None:
             stats.refused_no_endpoints += 1
             return None
@@ -256,7 +268,7 @@ class UdpListener:
             self.picker.dial_failed(backend)
             log.debug("%s: cannot open a socket to %s: %r", self.name, backend, exc)
             return None
-        session = _Session(self, client, backend, sock)
+        session = _Session(self, client, backend, sock, ep)
         self.sessions[client] = session
         self.stats.udp_sessions_active += 1
         self.stats.udp_sessions_total += 1

@@ -23,8 +23,9 @@ from kube_userspace_proxy.model import ProxiedPort, ServicePortName
 from kube_userspace_proxy.netutil import Family, ip_family
 from kube_userspace_proxy.portals import plan
 from kube_userspace_proxy.portals.plan import Backend, Delete, DropChain
-from kube_userspace_proxy.portals.restore import RestoreBackend, binary
+from kube_userspace_proxy.portals.restore import RestoreBackend, binary, counted
 from kube_userspace_proxy.portals.rules import (
+    CHAINS,
     CONTAINER_NODEPORTS,
     CONTAINER_PORTALS,
     NAT,
@@ -264,6 +265,24 @@ class Portals:
                 )
                 return {}
         return claimed(saved)
+
+    def counted_rules(self) -> list[tuple[int, str, str, int, int]]:
+        """Our nat rules, and the jumps to them, with their counters: (family, chain, spec,
+        packets, bytes). Read-only, for /debug/ui; [] where they cannot be read (logged)."""
+        out: list[tuple[int, str, str, int, int]] = []
+        ours = CHAINS[NAT]
+        for family in (4, 6):
+            try:
+                rules = counted(self.backend.mode, family, NAT)
+            except PortalsError as exc:
+                log.debug("cannot read the rules' counters: %s", exc)
+                continue
+            out += [
+                (family, chain, spec, packets, size)
+                for chain, spec, packets, size in rules
+                if chain in ours or any(spec.endswith(f"-j {c}") for c in ours)
+            ]
+        return out
 
     def _warn_unserved(
         self, ports: Sequence[ProxiedPort], skipped: list[tuple[ServicePortName, str]]

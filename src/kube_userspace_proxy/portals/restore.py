@@ -133,6 +133,36 @@ def parse_save(text: str, table: str) -> tuple[dict[str, list[str]], set[str]]:
     return rules, builtin
 
 
+def counted(mode: str, family: Family, table: str) -> list[tuple[str, str, int, int]]:
+    """Every rule of `table` with its counters, `iptables-save -c` read-only.
+
+    (chain, spec after `-A CHAIN`, packets, bytes); [] when the tools or the table are missing.
+    """
+    exe = binary(family, mode, "save")
+    if exe is None or (mode == "legacy" and table not in legacy_tables(family)):
+        return []
+    try:
+        done = subprocess.run(
+            [exe, "-c", "-t", table],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_SECONDS,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise PortalsError(f"{exe} -c failed: {exc}") from exc
+    rules = []
+    for line in done.stdout.splitlines():
+        counters, _, rule = line.partition("] ")
+        if not counters.startswith("[") or not rule.startswith("-A "):
+            continue
+        packets, _, size = counters[1:].partition(":")
+        chain, _, spec = rule[3:].partition(" ")
+        if packets.isdigit() and size.isdigit():
+            rules.append((chain, spec, int(packets), int(size)))
+    return rules
+
+
 def view_of(text: str, table: str) -> TableView:
     """Our chains' fingerprints (their exact rule text) and the jumps into them."""
     rules, builtin = parse_save(text, table)

@@ -1,0 +1,108 @@
+"""/debug/ui on the metrics site: each Service's path through the proxy, live (teaching tool).
+
+The page (static/debug-ui.html: plain HTML, CSS and JavaScript, no build step, nothing loaded
+from elsewhere) opens `/debug/ui/events`, a Server-Sent Events stream that sends the whole
+view about once a second while the page is open: the `/debug/state` view (collected from the
+workers first) and the installed iptables rules of our chains with their packet counters.
+`/debug/ui/state` answers the same view once, as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.resources
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from kube_userspace_proxy import logs
+
+log = logs.get(__name__)
+
+CountedRules = list[tuple[int, str, str, int, int]]
+RuleSource = Callable[[], CountedRules | None]
+"""Blocking: our rules with counters, (family, chain, spec, packets, bytes); None: no rules."""
+INTERVAL = 1.0
+"""Seconds between two events of the stream."""
+RULES_EVERY = 2.0
+"""Seconds between two reads of the rules' counters (an iptables-save run per family)."""
+
+
+def page() -> bytes:
+    """The page, as packaged."""
+    ref = importlib.resources.files("kube_userspace_proxy") / "static" / "debug-ui.html"
+    return ref.read_bytes()
+
+
+class DebugUi:
+    """Builds the page's view; rule counters are read in a thread, at most every 2 s."""
+
+    def __init__(
+        self,
+        debug_state: Callable[[], dict[str, Any]],
+        collect: Callable[..., Awaitable[None]],
+        rules: RuleSource | None,
+    ) -> None:
+        self._debug_state = debug_state
+        self._collect = collect
+        self._rules = rules
+        self._rules_read = 0.0
+        self._rules_cache: list[dict[str, Any]] | None = None
+
+    async def view(self) -> dict[str, Any]:
+        """Services (as /debug/state) and rules (None when this proxy installs none)."""
+        await self._collect(debug=True)
+        now = time.monotonic()
+        if self._rules is not None and now - self._rules_read >= RULES_EVERY:
+            self._rules_read = now
+            try:
+                counted = await asyncio.to_thread(self._rules)
+            except Exception as exc:  # a view must not fail for the rules' sake
+                log.debug("cannot read the rules' counters: %r", exc)
+                counted = None
+            self._rules_cache = (
+                None
+                if counted is None
+                else [
+                    {"family": f, "chain": c, "rule": r, "packets": p, "bytes": b}
+                    for f, c, r, p, b in counted
+                ]
+            )
+        return {"services": self._debug_state(), "rules": self._rules_cache, "time": time.time()}
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/debug/ui", self._page)
+        app.router.add_get("/debug/ui/state", self._state)
+        app.router.add_get("/debug/ui/events", self._events)
+
+    async def _page(self, _: web.Request) -> web.Response:
+        return web.Response(
+            body=page(),
+            content_type="text/html",
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"},
+        )
+
+    async def _state(self, _: web.Request) -> web.Response:
+        return web.json_response(await self.view())
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-store",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await response.prepare(request)
+        try:
+            while True:  # ends when the page goes away (the write fails) or the site stops
+                body = json.dumps(await self.view(), separators=(",", ":"))
+                await response.write(f"data: {body}\n\n".encode())
+                await asyncio.sleep(INTERVAL)
+        except (ConnectionResetError, ConnectionError):
+            pass
+        return response

@@ -1,0 +1,101 @@
+"""/debug/ui in a real headless Chromium: the page of a proxy in a node namespace counts, live,
+the connections each endpoint served and the packets its iptables rules caught."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.browser import Browser, chromium
+from tests.integration.conftest import running_proxies, service
+from tests.integration.netns import POD_PORT, PODS, Topology, wait_for
+
+pytestmark = pytest.mark.integration
+
+SERVICE = "default/web:p"
+METRICS = "127.0.0.1:10249"  # the node namespace is the test's own: a fixed port is free
+# {endpoint: total connections} of one Service, as the page shows it.
+TOTALS = (
+    "JSON.stringify(Object.fromEntries([...document.querySelectorAll("
+    "'[data-service=\"%s\"] [data-endpoint]')].map(row => [row.dataset.endpoint,"
+    " Number(row.querySelector('.total').textContent)])))"
+)
+# Packets the Service's ClusterIP rule (pods' traffic: KUBE-PORTALS-CONTAINER) caught.
+PACKETS = (
+    '[...document.querySelectorAll(\'[data-service="%s"] tr[data-chain='
+    '"KUBE-PORTALS-CONTAINER"] .packets\')].reduce((n, cell) => n + Number(cell.textContent), 0)'
+)
+
+
+@pytest.fixture
+def browser_ok() -> None:
+    if chromium() is None:
+        pytest.skip("needs chromium (Debian's chromium; scripts/dev installs it as root)")
+
+
+@pytest.fixture
+def page(
+    browser_ok: None, topology: Topology, tmp_path: Path
+) -> Iterator[tuple[Topology, Browser]]:
+    with running_proxies(topology, tmp_path, "restore") as make:
+        proxy = make(
+            service("web", "10.96.0.10", 80, node_port=30080),
+            "--metrics-bind-address",
+            METRICS,
+        )
+        proxy.wait_rules(f'"{SERVICE}"')
+        wait_for(lambda: topology.client.ask("tcp", "10.96.0.10", 80)[0] in PODS, "web answering")
+        browser = Browser(
+            f"http://{METRICS}/debug/ui",
+            tmp_path / "profile",
+            prefix=("ip", "netns", "exec", topology.node.name),
+        )
+        try:
+            yield topology, browser
+        finally:
+            browser.close()
+
+
+def totals(browser: Browser) -> dict[str, int]:
+    counts: dict[str, int] = json.loads(browser.eval(TOTALS % SERVICE))
+    return counts
+
+
+def test_endpoint_counts_in_the_page_rise_by_the_connections_each_served(
+    page: tuple[Topology, Browser], tmp_path: Path
+) -> None:
+    topo, browser = page
+    endpoints = {f"{ip}:{POD_PORT}" for ip in PODS.values()}
+    wait_for(lambda: set(totals(browser)) == endpoints, "the page showing the 3 endpoints", 60)
+    wait_for(lambda: browser.eval(PACKETS % SERVICE) > 0, "the page showing rule counters", 30)
+    before = totals(browser)
+    packets_before = browser.eval(PACKETS % SERVICE)
+
+    answers = topo.client.ask("tcp", "10.96.0.10", 80, 10)
+
+    assert all(answer in PODS for answer in answers), answers
+    served = Counter(f"{PODS[answer]}:{POD_PORT}" for answer in answers)
+    rise: dict[str, int] = {}
+
+    def risen() -> bool:
+        now = totals(browser)
+        rise.update({ep: now[ep] - before[ep] for ep in endpoints})
+        return sum(rise.values()) >= 10
+
+    wait_for(risen, "the page's counts to rise by 10", timeout=30)
+    # Each endpoint rose by exactly the connections it served (the backends name themselves).
+    assert rise == {ep: served.get(ep, 0) for ep in endpoints}
+    # Each connection's first packet walked the ClusterIP rule.
+    wait_for(
+        lambda: browser.eval(PACKETS % SERVICE) - packets_before >= 10,
+        "the rule's packet counter to rise by 10",
+        timeout=30,
+    )
+    shot = os.environ.get("DEBUG_UI_SCREENSHOT") or str(tmp_path / "debug-ui.png")
+    assert browser.ask(f"screenshot {shot}")["saved"] == shot
+    assert Path(shot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,125 @@
+"""/debug/ui on the whole proxy (loopback): a self-contained page, a live event stream, and
+per-endpoint counts that rise by the connections each endpoint served (in-process data plane
+and worker processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.loopback.proxyrun import (
+    ask,
+    endpoint_slice,
+    loopback_config,
+    running_proxy,
+    service,
+    start_named_backends,
+    write_manifests,
+)
+
+WEB = "default/web:http"
+Backends = list[tuple[str, int, asyncio.Server]]
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[Callable[..., Awaitable[Backends]]]:
+    made: list[asyncio.Server] = []
+
+    async def start(*names: str) -> Backends:
+        started = await start_named_backends(names)
+        made.extend(server for _, _, server in started)
+        return started
+
+    yield start
+    for server in made:
+        server.close()
+        await server.wait_closed()
+
+
+async def get(url: str) -> tuple[int, str, str]:
+    async with aiohttp.ClientSession() as http, http.get(url) as response:
+        return response.status, response.headers["Content-Type"], await response.text()
+
+
+def totals(view: dict[str, Any]) -> dict[str, int]:
+    entry = view["services"][WEB]["balancer"]["cluster"]
+    return {e["endpoint"]: e["total"] for e in entry["endpoints"]}
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_endpoint_totals_rise_by_the_connections_each_endpoint_served(
+    tmp_path: Path, backends: Callable[..., Awaitable[Backends]], workers: str
+) -> None:
+    started = await backends("pod-a", "pod-b", "pod-c")
+    by_name = {name: f"127.0.0.1:{port}" for name, port, _ in started}
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(
+        manifest,
+        [
+            service("web", [{"name": "http", "port": 80, "protocol": "TCP"}]),
+            *endpoint_slice("web", "http", [("127.0.0.1", port) for _, port, _ in started]),
+        ],
+    )
+    async with running_proxy(loopback_config(manifest, workers=workers)) as proxy:
+        assert proxy.ops is not None
+        state_url = f"http://127.0.0.1:{proxy.ops.metrics_port}/debug/ui/state"
+        port = proxy.proxier.port_of(proxy.proxier.proxied_ports()[0].info.name)
+        before = totals(json.loads((await get(state_url))[2]))
+        answers = [await ask(port) for _ in range(10)]
+        served = Counter(by_name[a] for a in answers)
+        view: dict[str, Any] = {}
+
+        async def counted() -> bool:
+            view.update(json.loads((await get(state_url))[2]))
+            return sum(totals(view).values()) - sum(before.values()) >= 10
+
+        for _ in range(250):  # the workers' counters arrive with the next collect
+            if await counted():
+                break
+            await asyncio.sleep(0.02)
+        rise = {ep: total - before[ep] for ep, total in totals(view).items()}
+        assert rise == {ep: served.get(ep, 0) for ep in by_name.values()}
+        picks = view["services"][WEB]["balancer"]["cluster"]["recentPicks"]
+        assert sum(len(w["picks"]) for w in picks) >= 10
+        assert view["rules"] is None  # --iptables-backend none: the page says so
+
+
+async def test_page_is_self_contained_and_streams_events(
+    tmp_path: Path, backends: Callable[..., Awaitable[Backends]]
+) -> None:
+    started = await backends("pod-a")
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(
+        manifest,
+        [
+            service("web", [{"name": "http", "port": 80, "protocol": "TCP"}]),
+            *endpoint_slice("web", "http", [("127.0.0.1", started[0][1])]),
+        ],
+    )
+    async with running_proxy(loopback_config(manifest)) as proxy:
+        assert proxy.ops is not None
+        base = f"http://127.0.0.1:{proxy.ops.metrics_port}"
+        status, kind, html = await get(f"{base}/debug/ui")
+        assert status == 200 and kind.startswith("text/html")
+        # Nothing is fetched from elsewhere: no URL with a host, no fonts, no imports.
+        assert "http:" not in html and "https:" not in html
+        assert not re.search(r"<(link|script)[^>]+(src|href)=", html)
+        assert "@import" not in html and "@font-face" not in html and "url(" not in html
+        assert "/debug/ui/events" in html
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{base}/debug/ui/events") as response,
+        ):
+            assert response.headers["Content-Type"] == "text/event-stream"
+            line = await asyncio.wait_for(response.content.readline(), 10)
+        assert line.startswith(b"data: ")
+        event = json.loads(line[len(b"data: ") :])
+        assert WEB in event["services"]
