@@ -25,6 +25,7 @@ CHILD = textwrap.dedent(
     """
     import asyncio, json, logging, os, resource, socket, sys, time
     import uvloop
+    from kube_userspace_proxy.balancer import EndpointTally
     from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener
 
     class Fixed:
@@ -33,6 +34,7 @@ CHILD = textwrap.dedent(
             self.addresses = (self.address,)
             self.failed = 0
             self.proxy_protocol = 0
+            self.picked = EndpointTally(self.address)
         def pick(self, client_ip, *, retry=False):
             return self.address
         def dial_failed(self, address):
