@@ -96,6 +96,13 @@ def test_endpoint_counts_in_the_page_rise_by_the_connections_each_served(
         "the rule's packet counter to rise by 10",
         timeout=30,
     )
+    # Still live after its event stream ended and the browser reconnected (8 events a stream).
+    wait_for(
+        lambda: browser.eval("Number(document.body.dataset.updates)") > 10,
+        "updates across a reconnect of the event stream",
+        timeout=40,
+    )
+    assert browser.eval("document.getElementById('status').textContent") == "live"
     shot = os.environ.get("DEBUG_UI_SCREENSHOT") or str(tmp_path / "debug-ui.png")
     assert browser.ask(f"screenshot {shot}")["saved"] == shot
     assert Path(shot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
