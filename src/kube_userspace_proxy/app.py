@@ -215,8 +215,10 @@ def build(config: ProxyConfig) -> Proxy:
     return Proxy(config)
 
 
-def make_source(config: ProxyConfig, state: ClusterState) -> Source:
-    """Manifests when `--manifests` is given, else the API server."""
+def make_source(
+    config: ProxyConfig, state: ClusterState, metrics: ProxyMetrics | None = None
+) -> Source:
+    """Manifests when `--manifests` is given, else the API server (counted in `metrics`)."""
     if config.manifests:
         return ManifestSource(list(config.manifests), state)
     return KubeSource(
@@ -228,6 +230,7 @@ def make_source(config: ProxyConfig, state: ClusterState) -> Source:
         qps=config.kube_api_qps,
         burst=config.kube_api_burst,
         relist_period=config.config_sync_period,
+        on_request=metrics.api_request if metrics is not None else None,
     )
 
 
@@ -262,8 +265,9 @@ async def serve(
         limit,
     )
     proxy = build(config)
-    source = make_source(config, proxy.state)
+    source = make_source(config, proxy.state, proxy.metrics)
     if isinstance(source, KubeSource):
+        proxy.metrics.follow_source(source)
         # A bad kubeconfig is a configuration error (exit 2), found before anything runs.
         await load_client_configuration(config.kubeconfig or None, config.master or None)
     stop = stop or asyncio.Event()

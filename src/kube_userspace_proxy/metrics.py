@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import operator
 import time
+import typing
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -283,6 +284,43 @@ class _ForbiddenAddressCollector(Collector):
         yield family
 
 
+class SourceCounters(typing.Protocol):
+    """The counters an API source keeps (plain ints, read at scrape time)."""
+
+    relists_total: int
+    errors_total: int
+    bad_data_total: int
+
+
+SOURCE_COUNTERS = (
+    (
+        "relists_total",
+        "Lists after the first (410 Gone, periodic relist, bad data), each resource.",
+    ),
+    ("errors_total", "Failed lists and watches: errors, bad data and unexpected failures."),
+    ("bad_data_total", "Malformed watch events and list bodies from the API server."),
+)
+
+
+class _SourceCollector(Collector):
+    def __init__(self, owner: ProxyMetrics) -> None:
+        self._owner = owner
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # present only once a source is followed
+
+    def collect(self) -> Iterable[Metric]:
+        source = self._owner._source
+        if source is None:
+            return []
+        families = []
+        for attribute, text in SOURCE_COUNTERS:
+            family = CounterMetricFamily(PREFIX + "source_" + attribute, text)
+            family.add_metric([], getattr(source, attribute))
+            families.append(family)
+        return families
+
+
 class ProxyMetrics:
     """The proxy's metrics; the sync runner, proxier and ops server report through its methods.
 
@@ -390,6 +428,22 @@ class ProxyMetrics:
             registry=base,
         )
         base.register(_ForbiddenAddressCollector())
+        # client-go's names, labels and buckets, so API-server dashboards carry over.
+        self._api_requests = Counter(
+            "rest_client_requests_total",
+            "Number of HTTP requests, partitioned by status code, method, and host.",
+            ["code", "method", "host"],
+            registry=base,
+        )
+        self._api_duration = Histogram(
+            "rest_client_request_duration_seconds",
+            "Request latency in seconds. Broken down by verb, and host.",
+            ["verb", "host"],
+            buckets=(0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0),
+            registry=base,
+        )
+        self._source: SourceCounters | None = None
+        base.register(_SourceCollector(self))
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(base)
         self.registry.register(_PortCollector(self))
@@ -420,6 +474,15 @@ class ProxyMetrics:
     def network_programming(self, seconds: float) -> None:
         """Time from an endpoint change (its trigger time) to the sync that applied it."""
         self._programming.observe(max(seconds, 0.0))
+
+    def api_request(self, code: str, method: str, host: str, seconds: float) -> None:
+        """One request to the API server answered (or failed) after `seconds`."""
+        self._api_requests.labels(code, method, host).inc()
+        self._api_duration.labels(method, host).observe(seconds)
+
+    def follow_source(self, source: SourceCounters) -> None:
+        """Export the API source's own counters (read at scrape time)."""
+        self._source = source
 
     def set_no_local_endpoints(self, internal: int, external: int) -> None:
         """Service ports whose Local policy found endpoints, but none on this node."""

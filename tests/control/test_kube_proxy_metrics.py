@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import aiohttp
+import pytest
 
 from kube_userspace_proxy.app import Proxy
 from kube_userspace_proxy.metrics import iter_samples, sample_value
@@ -106,3 +107,33 @@ async def poll(read: Callable[[], Awaitable[T]], want: T, timeout: float = 10.0)
         await asyncio.sleep(0.05)
         value = await read()
     return value
+
+
+async def test_api_requests_are_counted_as_client_go_counts_them(
+    apiserver: FakeApiServer, kubeconfig: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with running_proxy(kube_config(kubeconfig)) as proxy:
+        apiserver.fail_next(2, 500, plural="services", verb="watch")
+        apiserver.drop_watches()
+        host = f"127.0.0.1:{apiserver.port}"
+
+        async def failures_seen() -> float | None:
+            text = await scrape(proxy)
+            labels = {"code": "500", "method": "GET", "host": host}
+            return sample_value(text, "rest_client_requests_total", labels)
+
+        assert await poll(failures_seen, 2.0) == 2.0
+        text = await scrape(proxy)
+    ok = sample_value(text, "rest_client_requests_total", {"code": "200", "method": "GET"})
+    assert ok is not None and ok >= 3  # the Service, EndpointSlice and Node lists at least
+    count = sample_value(
+        text, "rest_client_request_duration_seconds_count", {"verb": "GET", "host": host}
+    )
+    assert count is not None and count >= ok + 2
+    # The source's own counters: every cut or refused watch is an error (each one logged);
+    # the watches resumed from where they were, so nothing was listed again.
+    failures = [r for r in caplog.records if "watch failed (" in r.getMessage()]
+    assert len(failures) >= 2
+    assert sample_value(text, "kube_userspace_proxy_source_errors_total") == len(failures)
+    assert sample_value(text, "kube_userspace_proxy_source_relists_total") == 0
+    assert sample_value(text, "kube_userspace_proxy_source_bad_data_total") == 0

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 from kubernetes_asyncio import client as kclient
@@ -91,6 +92,33 @@ async def load_client_configuration(
                 f"config is unusable ({exc}); run in a pod or pass --kubeconfig"
             ) from exc
     return configuration, loader
+
+
+RequestObserver = Callable[[str, str, str, float], None]
+"""Told of every API request: (HTTP code or "<error>", method, host, seconds to the answer)."""
+
+
+def observe_requests(api: Any, observe: RequestObserver) -> None:
+    """Report every request of `api` (an ApiClient) to `observe`, as client-go's metrics see
+    them: the status code (or `<error>` without an answer), the method, the API server's
+    host:port, and the time to the response headers (a watch's stream is not counted)."""
+    rest = api.rest_client
+    plain = rest.request
+
+    async def request(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        code = "<error>"
+        try:
+            response = await plain(method, url, *args, **kwargs)
+            code = str(response.status)
+            return response
+        except kclient.ApiException as exc:
+            code = str(exc.status) if exc.status else "<error>"
+            raise
+        finally:
+            observe(code, method, urlsplit(url).netloc, time.monotonic() - started)
+
+    rest.request = request
 
 
 def _follow_token_file(loader: Any, configuration: Any) -> None:
@@ -253,8 +281,10 @@ class KubeSource:
         request_timeout: float = 30,
         page_size: int = 500,
         relist_period: float | None = None,
+        on_request: RequestObserver | None = None,
     ) -> None:
         self._state = state
+        self._on_request = on_request
         self._kubeconfig = kubeconfig or None
         self._master = master or None
         self.node_name = netutil.node_name(node_name)
@@ -288,6 +318,8 @@ class KubeSource:
             self.node_name,
         )
         async with kclient.ApiClient(configuration) as api, asyncio.TaskGroup() as group:
+            if self._on_request is not None:
+                observe_requests(api, self._on_request)
             for resource in self._resources(api):
                 group.create_task(self._follow(resource), name=f"kube-{resource.kind}")
             if loader is not None:
