@@ -139,22 +139,6 @@ def backend_main(conn: Connection, loop_kind: str) -> None:
 # --- proxy process
 
 
-class _Fixed:
-    def __init__(self, address: tuple[str, int]) -> None:
-        self.address = address
-        self.addresses = (address,)
-        self.proxy_protocol = 0
-
-    def pick(self, client_ip: str, *, retry: bool = False) -> tuple[str, int] | None:
-        return self.address
-
-    def dial_failed(self, address: tuple[str, int]) -> None:
-        pass
-
-    def __bool__(self) -> bool:
-        return True
-
-
 def proxy_main(  # noqa: PLR0917 - multiprocessing passes arguments by position
     conn: Connection,
     backends: dict[str, tuple[str, int]],
@@ -169,7 +153,9 @@ def proxy_main(  # noqa: PLR0917 - multiprocessing passes arguments by position
     """
     if src is not None:
         sys.path.insert(0, src)
+    from kube_userspace_proxy.balancer import EndpointPool
     from kube_userspace_proxy.dataplane import ConnStats, TcpListener
+    from kube_userspace_proxy.model import Endpoint, ServicePortName
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -179,7 +165,10 @@ def proxy_main(  # noqa: PLR0917 - multiprocessing passes arguments by position
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", 0))
             extra = {} if keepalive is None else {"keepalive": keepalive}
-            listener = TcpListener(sock, _Fixed(address), ConnStats(), splice=splice, **extra)
+            # The real balancer, with its per-endpoint tallies and recent-picks ring.
+            pool = EndpointPool(ServicePortName("bench", name))
+            pool.update([Endpoint(*address)], affinity_timeout=None)
+            listener = TcpListener(sock, pool, ConnStats(), splice=splice, **extra)
             await listener.start()
             listeners[name] = listener
         conn.send({name: lst.port for name, lst in listeners.items()})
