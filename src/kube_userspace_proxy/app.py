@@ -281,7 +281,7 @@ async def serve(
             metrics_bind=config.metrics_bind_address,
             health=proxy.health,
             metrics=proxy.metrics,
-            debug_state=proxy.proxier.debug_state,
+            debug_state=proxy.proxier.debug_items,
             configz=lambda: {kpc.GROUP: effective_document(config)},
             collect=proxy.collect,
             rules=proxy.counted_rules,

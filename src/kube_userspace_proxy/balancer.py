@@ -15,6 +15,8 @@ Address = tuple[str, int]
 
 DEFAULT_MAX_AFFINITY_ENTRIES = 65536
 """Clients remembered per pool; past it expired pins are swept, then the oldest dropped."""
+PINS_SHOWN = 20
+"""ClientIP pins /debug/state lists per service port (besides how many there are)."""
 
 
 def usable_endpoints(
@@ -149,17 +151,26 @@ class EndpointPool:
         """The ClientIP affinity timeout in seconds now in force; None without affinity."""
         return self._timeout
 
-    def affinity_entries(self) -> list[tuple[str, Address, float]]:
-        """Live pins: (client ip, endpoint address, seconds left before it expires)."""
+    def affinity_entries(self, limit: int | None = None) -> list[tuple[str, Address, float]]:
+        """Live pins: (client ip, endpoint address, seconds left before it expires).
+
+        At most `limit` of them (None: all; a pool may hold tens of thousands).
+        """
         timeout = self._timeout
         if timeout is None:
             return []
         now = self._clock()
-        return [
-            (client, pin.address, timeout - (now - pin.last_used))
-            for client, pin in self._pins.items()
-            if now - pin.last_used < timeout
-        ]
+        out: list[tuple[str, Address, float]] = []
+        for client, pin in self._pins.items():
+            if now - pin.last_used < timeout:
+                if limit is not None and len(out) >= limit:
+                    break
+                out.append((client, pin.address, timeout - (now - pin.last_used)))
+        return out
+
+    def affinity_count(self) -> int:
+        """Pins held (expired ones not swept yet included): a cheap size for /debug/state."""
+        return len(self._pins) if self._timeout is not None else 0
 
     def tallies(self) -> list[tuple[Address, tuple[int, int, int, int, int]]]:
         """Each usable endpoint's counters (see `EndpointTally.values`), in round-robin order."""

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from typing import Protocol as TypingProtocol
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.balancer import BalancerView, EndpointPool, usable_endpoints
+from kube_userspace_proxy.balancer import PINS_SHOWN, BalancerView, EndpointPool, usable_endpoints
 from kube_userspace_proxy.dataplane import ConnStats, Picker, TcpListener, UdpListener
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
@@ -84,8 +84,11 @@ class DataPlane(TypingProtocol):
         """Make every listener serve its pool's current endpoints (before rules point at it)."""
         ...
 
-    def affinity_entries(self, pool: EndpointPool) -> list[tuple[str, tuple[str, int], float]]:
-        """The live ClientIP pins of `pool`: (client, endpoint, seconds left)."""
+    def affinity_summary(
+        self, pool: EndpointPool
+    ) -> tuple[int, list[tuple[str, tuple[str, int], float]]]:
+        """How many ClientIP pins `pool` holds, and up to PINS_SHOWN live ones:
+        (client, endpoint, seconds left)."""
         ...
 
     def balancer_view(self, pool: EndpointPool) -> BalancerView:
@@ -112,8 +115,10 @@ class LocalDataPlane:
     async def publish(self) -> None:
         """Nothing to send: the listeners read their pools directly."""
 
-    def affinity_entries(self, pool: EndpointPool) -> list[tuple[str, tuple[str, int], float]]:
-        return pool.affinity_entries()
+    def affinity_summary(
+        self, pool: EndpointPool
+    ) -> tuple[int, list[tuple[str, tuple[str, int], float]]]:
+        return pool.affinity_count(), pool.affinity_entries(PINS_SHOWN)
 
     def balancer_view(self, pool: EndpointPool) -> BalancerView:
         return BalancerView(pool.tallies(), [(None, pool.recent_picks())], pool.penalized())
@@ -538,11 +543,22 @@ class Proxier:
 
     def debug_state(self) -> dict[str, Any]:
         """JSON-able view: service port -> proxy ports -> endpoints, affinity, counters."""
-        out: dict[str, Any] = {}
-        for name, served in sorted(self._served.items()):
+        return dict(self.debug_items())
+
+    def debug_items(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """`debug_state` one service port at a time, so a caller can yield to the loop between.
+
+        Service ports removed while it is consumed are left out; ClientIP pins are summarized.
+        """
+        served_now = sorted(self._served.items(), key=_by_name)
+        errors = dict(self._errors)
+        for name, served in served_now:
+            if self._served.get(name) is not served:
+                continue
             info = served.info
             stats = served.stats
-            out[str(name)] = {
+            pins, shown = self._dataplane.affinity_summary(served.pools[Path.CLUSTER])
+            entry: dict[str, Any] = {
                 "protocol": str(info.protocol),
                 "clusterIPs": list(info.cluster_ips),
                 "port": info.port,
@@ -565,16 +581,17 @@ class Proxier:
                     str(path): _balancer_json(self._dataplane.balancer_view(pool))
                     for path, pool in served.pools.items()
                 },
-                "affinity": [
-                    {
-                        "clientIP": client,
-                        "endpoint": f"{ep[0]}:{ep[1]}",
-                        "expiresIn": round(left, 1),
-                    }
-                    for client, ep, left in self._dataplane.affinity_entries(
-                        served.pools[Path.CLUSTER]
-                    )
-                ],
+                "affinity": {
+                    "pins": pins,
+                    "shown": [
+                        {
+                            "clientIP": client,
+                            "endpoint": f"{ep[0]}:{ep[1]}",
+                            "expiresIn": round(left, 1),
+                        }
+                        for client, ep, left in shown
+                    ],
+                },
                 "connections": {
                     "active": stats.active,
                     "accepted": stats.accepted,
@@ -591,9 +608,16 @@ class Proxier:
                     "dropped": stats.udp_dropped,
                 },
             }
-        for name, message in sorted(self._errors.items()):
-            out.setdefault(str(name), {})["error"] = message
-        return out
+            if name in errors:
+                entry["error"] = errors.pop(name)
+            yield str(name), entry
+        for name, message in sorted(errors.items(), key=_by_name):
+            yield str(name), {"error": message}
+
+
+def _by_name(item: tuple[ServicePortName, Any]) -> tuple[str, str, str, str]:
+    n = item[0]  # a plain tuple sorts in C; the dataclass's generated __lt__ does not
+    return (n.namespace, n.name, n.port, n.protocol)
 
 
 def _show(address: Address) -> str:

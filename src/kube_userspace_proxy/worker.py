@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kube_userspace_proxy import channel, logs
-from kube_userspace_proxy.balancer import EndpointPool
+from kube_userspace_proxy.balancer import PINS_SHOWN, EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
 from kube_userspace_proxy.model import Endpoint, ServicePortName
 
@@ -243,7 +243,10 @@ class Worker:
         }
         affinity = balancers = None
         if debug:
-            affinity = {pid: pool.affinity_entries() for pid, pool in self._pools.items()}
+            affinity = {
+                pid: (pool.affinity_count(), pool.affinity_entries(PINS_SHOWN))
+                for pid, pool in self._pools.items()
+            }
             balancers = {
                 pid: (pool.tallies(), pool.recent_picks(), pool.penalized())
                 for pid, pool in self._pools.items()

@@ -22,7 +22,7 @@ import weakref
 from typing import Any
 
 from kube_userspace_proxy import channel, logs
-from kube_userspace_proxy.balancer import BalancerView, EndpointPool
+from kube_userspace_proxy.balancer import PINS_SHOWN, BalancerView, EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats, Picker, steering
 from kube_userspace_proxy.errors import ProxyError
 
@@ -152,7 +152,7 @@ class WorkerPool:
         self._waiting: dict[tuple[str, _Worker, int], asyncio.Future[Any]] = {}
         self._reports: dict[int, dict[str, tuple[int, ...]]] = {}
         self._dead_totals: dict[str, list[int]] = {}
-        self._affinity: dict[int, Pins] = {}
+        self._affinity: dict[int, tuple[int, Pins]] = {}
         self._balancers: dict[int, list[tuple[int, Any]]] = {}
         self._stopping = False
         self._table: tuple[list[Any], dict[int, Any]] | None = None
@@ -186,10 +186,11 @@ class WorkerPool:
                 changed |= await self._apply(worker)
             self._steer(changed)
 
-    def affinity_entries(self, pool: EndpointPool) -> Pins:
-        """The pins the workers reported at the last `collect(debug=True)`."""
+    def affinity_summary(self, pool: EndpointPool) -> tuple[int, Pins]:
+        """The pin count and the pins shown, as the workers reported them at the last
+        `collect(debug=True)`."""
         pool_id = self._pool_ids.get(pool)
-        return self._affinity.get(pool_id, []) if pool_id is not None else []
+        return self._affinity.get(pool_id, (0, [])) if pool_id is not None else (0, [])
 
     def members(self, key: Key) -> tuple[int, ...]:
         """The reuseport group of `key` as tracked: worker numbers in the kernel's order."""
@@ -493,14 +494,15 @@ class WorkerPool:
         replies = await asyncio.gather(
             *(asyncio.wait_for(w, COLLECT_TIMEOUT) for w in waiting), return_exceptions=True
         )
-        affinity: dict[int, Pins] = {}
+        affinity: dict[int, tuple[int, Pins]] = {}
         balancers: dict[int, list[tuple[int, Any]]] = {}
         for reply in replies:
             if isinstance(reply, BaseException):
                 continue
             self._reports[reply[2]] = reply[3]
-            for pool_id, pins in (reply[4] or {}).items():
-                affinity.setdefault(pool_id, []).extend(pins)
+            for pool_id, (count, pins) in (reply[4] or {}).items():
+                total, shown = affinity.get(pool_id, (0, []))
+                affinity[pool_id] = (total + count, (shown + list(pins))[:PINS_SHOWN])
             for pool_id, seen in (reply[5] or {}).items():
                 balancers.setdefault(pool_id, []).append((reply[2], seen))
         if debug:

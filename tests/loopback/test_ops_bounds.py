@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path as FilePath
+from typing import Any
 
 import aiohttp
 import pytest
 
 from kube_userspace_proxy import httpguard
+from kube_userspace_proxy.balancer import DEFAULT_MAX_AFFINITY_ENTRIES, PINS_SHOWN
 from kube_userspace_proxy.health import ProxyHealth
 from kube_userspace_proxy.metrics import ProxyMetrics
+from kube_userspace_proxy.model import Path, ServicePortName
 from kube_userspace_proxy.ops import OpsServer, start_ops
+from tests.loopback.proxyrun import (
+    endpoint_slice,
+    loopback_config,
+    running_proxy,
+    service,
+    wait_for,
+    write_manifests,
+)
 
 HEADER_TIMEOUT = 0.5
 CAP = 8
@@ -110,3 +123,40 @@ async def test_keep_alive_requests_keep_working(server: OpsServer) -> None:
         await asyncio.sleep(HEADER_TIMEOUT / 2)
         async with http.get(f"http://127.0.0.1:{server.healthz_port}/livez") as resp:
             assert resp.status == 200
+
+
+async def test_debug_state_summarizes_pins(tmp_path: FilePath) -> None:
+    """5 Services with 65,536 ClientIP pins each made a 39 MB /debug/state body."""
+    names = [f"web{i}" for i in range(5)]
+    objects: list[dict[str, Any]] = []
+    for i, name in enumerate(names):
+        objects.append(
+            service(
+                name,
+                [{"name": "http", "port": 80}],
+                cluster_ip=f"10.96.0.{10 + i}",
+                sessionAffinity="ClientIP",
+            )
+        )
+        objects += endpoint_slice(name, "http", [("127.0.0.1", 9)])
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(manifest, objects)
+    async with running_proxy(loopback_config(manifest)) as proxy:
+        await wait_for(lambda: len(proxy.proxier.debug_state()) == len(names), what="5 ports")
+        for name in names:
+            # The real pinning path: every new client of a ClientIP Service gets a pin.
+            pool = proxy.proxier._served[ServicePortName("default", name, "http")].pools[
+                Path.CLUSTER
+            ]
+            for n in range(DEFAULT_MAX_AFFINITY_ENTRIES):
+                pool.pick(f"10.{n >> 16}.{(n >> 8) & 255}.{n & 255}")
+        assert proxy.ops is not None
+        url = f"http://127.0.0.1:{proxy.ops.metrics_port}/debug/state"
+        async with aiohttp.ClientSession() as http, http.get(url) as resp:
+            body = await resp.read()
+    state = json.loads(body)
+    assert len(body) < 100_000
+    for name in names:
+        affinity = state[f"default/{name}:http"]["affinity"]
+        assert affinity["pins"] == DEFAULT_MAX_AFFINITY_ENTRIES
+        assert len(affinity["shown"]) == PINS_SHOWN
