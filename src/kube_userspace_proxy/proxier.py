@@ -32,6 +32,9 @@ from kube_userspace_proxy.ports import DescriptorBudget, PortAllocator
 
 log = logs.get(__name__)
 
+YIELD_EVERY = 128
+"""Service ports reconciled between two turns of the event loop (bounds a sync's stall)."""
+
 
 Address = tuple[str, int]
 
@@ -231,6 +234,7 @@ class Proxier:
             del self._errors[name]
         self._over_budget.clear()
         endpoints = snapshot.endpoints
+        reconciled = 0
         for name, info in snapshot.services.items():
             served = self._served.get(name)
             if (
@@ -242,6 +246,10 @@ class Proxier:
                 and name not in self._errors
             ):
                 continue
+            reconciled += 1
+            if reconciled % YIELD_EVERY == 0:
+                # Connections and events wait while this loop runs: let them in now and then.
+                await asyncio.sleep(0)
             try:
                 await self._reconcile_port(name, info, snapshot)
             except DescriptorBudgetError as exc:

@@ -715,3 +715,21 @@ def test_prediction_gives_up_when_jumps_change_or_a_delete_misses() -> None:
     view = plan.TableView({CONTAINER_PORTALS: ("x",)})
     assert predict(view, [plan.Prepend(jump)]) is None
     assert predict(view, [plan.Delete(CONTAINER_PORTALS, 0, "not there")]) is None
+
+
+def test_one_change_restore_input_holds_only_the_changed_rules() -> None:
+    table = FakeTable("nat")
+    before = services(range(240))
+    _, state = sync(table, nat(before), None)
+    moved = services([100], proxy_base=41000)[0]
+    after = [*before[:100], moved, *before[101:]]
+    step, _ = sync(table, nat(after), state)
+    text = restore_text("nat", step.ops).splitlines()
+    old = [r for r in render([before[100]], NODE) if not r.is_jump]
+    new = [r for r in render([moved], NODE) if not r.is_jump]
+    assert len(old) == len(new) == 2  # a container and a host rule
+    assert text[0] == "*nat"
+    assert text[-1] == "COMMIT"
+    assert sorted(text[1:-1]) == sorted(
+        [f"-D {r.chain} {r.spec}" for r in old] + [r.line for r in new]
+    )
