@@ -28,7 +28,7 @@ from kube_userspace_proxy.metrics import ProxyMetrics
 from kube_userspace_proxy.model import ProxiedPort
 from kube_userspace_proxy.ops import OpsServer, start_ops
 from kube_userspace_proxy.portals import Portals, explain, make_backend
-from kube_userspace_proxy.ports import PortAllocator, parse_port_range
+from kube_userspace_proxy.ports import PortAllocator
 from kube_userspace_proxy.proxier import (
     ClaimKey,
     DataPlane,
@@ -112,7 +112,7 @@ class Proxy:
                 udp_idle_timeout=config.udp_idle_timeout, tcp_keepalive=config.tcp_keepalive
             )
         allocator = PortAllocator(
-            parse_port_range(config.proxy_port_range),
+            config.port_range,
             host=config.bind_address,
             share_udp=dataplane.shares_ports,
         )
@@ -346,7 +346,7 @@ async def rules_text(config: ProxyConfig) -> str:
     source = make_source(config, proxy.state)
     await source.load_once()
     snapshot = proxy.state.snapshot()
-    port_range = parse_port_range(config.proxy_port_range)
+    port_range = config.port_range
     next_port = port_range[0] if port_range else 40000
     ports = []
     for info in sorted(snapshot.services.values(), key=lambda i: i.name):

@@ -99,7 +99,7 @@ class ProxyConfig(BaseModel):
     bind_address: str = "0.0.0.0"
     """IP the proxy ports listen on; 0.0.0.0: all IPv4 addresses, `::`: both families."""
     proxy_port_range: str = ""
-    """Proxy ports: `begin-end`, `begin+offset`, one port, or empty/`0-0` (kernel-chosen)."""
+    """Proxy ports: `begin-end`, `begin+offset`, one port, or empty/`0-0` (the ephemeral range)."""
     udp_idle_timeout: float = 0.25
     """Seconds a UDP client session lives after its last packet in either direction."""
     tcp_keepalive: float = 15.0
@@ -197,7 +197,7 @@ class ProxyConfig(BaseModel):
     @field_validator("proxy_port_range")
     @classmethod
     def _check_range(cls, value: str) -> str:
-        check_port_range(value)
+        parse_port_range(value)
         return value
 
     @field_validator(
@@ -229,6 +229,11 @@ class ProxyConfig(BaseModel):
         return self.loopback_endpoints == "allow"
 
     @property
+    def port_range(self) -> tuple[int, int] | None:
+        """`proxy_port_range` parsed: (first, last), or None for the kernel's ephemeral range."""
+        return parse_port_range(self.proxy_port_range)
+
+    @property
     def worker_count(self) -> int:
         """`workers` resolved: `auto` is the CPUs this process may run on, at most 4."""
         if self.workers == "auto":
@@ -250,24 +255,51 @@ class ProxyConfig(BaseModel):
         return value
 
 
-def check_port_range(text: str) -> None:
-    """Validate kube-proxy's port-range syntax (the allocator parses it again)."""
-    s = text.strip()
-    if s in {"", "0-0"}:
-        return
-    match = re.fullmatch(r"(\d+)(?:([-+])(\d+))?", s)
-    if not match:
-        raise ValueError(f"invalid port range {text!r}: expected begin-end, begin+offset or a port")
-    begin = int(match.group(1))
-    end = begin
-    if match.group(2) == "-":
-        end = int(match.group(3))
-    elif match.group(2) == "+":
-        end = begin + int(match.group(3))
-    if not (1 <= begin <= end <= 65535):
-        raise ValueError(
-            f"invalid port range {text!r}: ports must satisfy 1 <= begin <= end <= 65535"
-        )
+MAX_PORT = 65535
+
+
+def _port(text: str, whole: str) -> int:
+    text = text.strip()
+    if not text.isdigit():
+        raise ValueError(f"invalid port range {whole!r}: {text!r} is not a port number")
+    value = int(text)
+    if value > MAX_PORT:
+        raise ValueError(f"invalid port range {whole!r}: {value} is above {MAX_PORT}")
+    return value
+
+
+def parse_port_range(text: str) -> tuple[int, int] | None:
+    """Parse kube-proxy's `--proxy-port-range`: `begin-end`, `begin+offset` or `port`.
+
+    Returns the inclusive (first, last) pair, or None for an empty value or `0-0`, which mean
+    "any port of the kernel's ephemeral range". Raises ValueError naming a malformed value.
+    """
+    value = text.strip()
+    if not value:
+        return None
+    if "-" in value:
+        low_text, _, high_text = value.partition("-")
+        low, high = _port(low_text, text), _port(high_text, text)
+    elif "+" in value:
+        low_text, _, offset_text = value.partition("+")
+        low = _port(low_text, text)
+        high = low + _port(offset_text, text)
+        if high > MAX_PORT:
+            raise ValueError(f"invalid port range {text!r}: ends at {high}, above {MAX_PORT}")
+    else:
+        low = high = _port(value, text)
+    if low == high == 0:
+        return None
+    if high < low:
+        raise ValueError(f"invalid port range {text!r}: end {high} is below begin {low}")
+    if low == 0:
+        raise ValueError(f"invalid port range {text!r}: port 0 cannot be part of a range")
+    return (low, high)
+
+
+def format_port_range(port_range: tuple[int, int] | None) -> str:
+    """`first-last` as the flag takes it; `0-0` for the ephemeral range."""
+    return "0-0" if port_range is None else f"{port_range[0]}-{port_range[1]}"
 
 
 # KubeProxyConfiguration fields applied here: dotted path in the document -> ProxyConfig field.

@@ -1,4 +1,5 @@
-"""Proxy port allocation: kernel-chosen, or from `--proxy-port-range` (kube-proxy syntax)."""
+"""Proxy ports: allocation (`--proxy-port-range`, else the kernel's ephemeral range) and the
+descriptor budget that bounds how many may be held."""
 
 from __future__ import annotations
 
@@ -10,59 +11,15 @@ import socket
 from collections.abc import Callable
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.config import MAX_PORT as _MAX_PORT
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError
 from kube_userspace_proxy.model import Protocol
 
 log = logs.get(__name__)
 
-_MAX_PORT = 65535
 
 # A bind that fails with one of these means "someone else has it": try the next port.
 _TAKEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EACCES})
-
-
-def _port(text: str, whole: str) -> int:
-    text = text.strip()
-    if not text.isdigit():
-        raise ValueError(f"invalid port range {whole!r}: {text!r} is not a port number")
-    value = int(text)
-    if value > _MAX_PORT:
-        raise ValueError(f"invalid port range {whole!r}: {value} is above {_MAX_PORT}")
-    return value
-
-
-def parse_port_range(text: str) -> tuple[int, int] | None:
-    """Parse kube-proxy's `--proxy-port-range`: `begin-end`, `begin+offset` or `port`.
-
-    Returns the inclusive (first, last) pair, or None for an empty value or `0-0`, which mean
-    "let the kernel choose". Raises ValueError naming the value when it is malformed.
-    """
-    value = text.strip()
-    if not value:
-        return None
-    if "-" in value:
-        low_text, _, high_text = value.partition("-")
-        low, high = _port(low_text, text), _port(high_text, text)
-    elif "+" in value:
-        low_text, _, offset_text = value.partition("+")
-        low = _port(low_text, text)
-        high = low + _port(offset_text, text)
-        if high > _MAX_PORT:
-            raise ValueError(f"invalid port range {text!r}: ends at {high}, above {_MAX_PORT}")
-    else:
-        low = high = _port(value, text)
-    if low == high == 0:
-        return None
-    if high < low:
-        raise ValueError(f"invalid port range {text!r}: end {high} is below begin {low}")
-    if low == 0:
-        raise ValueError(f"invalid port range {text!r}: port 0 cannot be part of a range")
-    return (low, high)
-
-
-def format_port_range(port_range: tuple[int, int] | None) -> str:
-    """`first-last` as the flag takes it; `0-0` for kernel-chosen."""
-    return "0-0" if port_range is None else f"{port_range[0]}-{port_range[1]}"
 
 
 def ephemeral_range() -> tuple[int, int] | None:
