@@ -57,7 +57,7 @@ async def test_health_check_node_port_follows_local_endpoints_and_the_service(
     apiserver: FakeApiServer, kubeconfig: str
 ) -> None:
     port = free_port()
-    async with running_proxy(kube_config(kubeconfig)) as proxy:
+    async with running_proxy(kube_config(kubeconfig, workers="1")) as proxy:
         apiserver.create(lb_service("lb", port))
         apiserver.create(endpoint_slice("lb-a", "lb", ["10.1.0.1"], node_name=NODE))
         expected = {

@@ -34,7 +34,7 @@ async def test_per_service_port_series_carry_namespace_service_and_port(
 ) -> None:
     [(_, port, server)] = await start_named_backends(["pod-a"])
     try:
-        async with running_proxy(kube_config(kubeconfig)) as proxy:
+        async with running_proxy(kube_config(kubeconfig, workers="1")) as proxy:
             apiserver.create(service("web", namespace="shop"))
             apiserver.create(
                 endpoint_slice("web-a", "web", ["127.0.0.1"], port=port, namespace="shop")
@@ -63,7 +63,7 @@ async def test_per_service_port_series_carry_namespace_service_and_port(
 async def test_per_service_port_series_can_be_turned_off(
     apiserver: FakeApiServer, kubeconfig: str
 ) -> None:
-    config = kube_config(kubeconfig, metrics_per_service_port=False)
+    config = kube_config(kubeconfig, metrics_per_service_port=False, workers="1")
     async with running_proxy(config) as proxy:
         apiserver.create(service("web"))
         await eventually(lambda: "default/web:http" in proxy.proxier.debug_state())
@@ -76,7 +76,7 @@ async def test_per_service_port_series_can_be_turned_off(
 async def test_no_local_endpoints_counts_local_policies_served_only_elsewhere(
     apiserver: FakeApiServer, kubeconfig: str
 ) -> None:
-    async with running_proxy(kube_config(kubeconfig)) as proxy:
+    async with running_proxy(kube_config(kubeconfig, workers="1")) as proxy:
         apiserver.create(service("in", internalTrafficPolicy="Local"))
         apiserver.create(endpoint_slice("in-a", "in", ["10.1.0.1"], node_name="node-2"))
         lb = service("lb", cluster_ip="10.96.0.11", type="NodePort", externalTrafficPolicy="Local")
@@ -112,7 +112,7 @@ async def poll(read: Callable[[], Awaitable[T]], want: T, timeout: float = 10.0)
 async def test_api_requests_are_counted_as_client_go_counts_them(
     apiserver: FakeApiServer, kubeconfig: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with running_proxy(kube_config(kubeconfig)) as proxy:
+    async with running_proxy(kube_config(kubeconfig, workers="1")) as proxy:
         apiserver.fail_next(2, 500, plural="services", verb="watch")
         apiserver.drop_watches()
         host = f"127.0.0.1:{apiserver.port}"

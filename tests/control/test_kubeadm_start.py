@@ -56,6 +56,7 @@ async def test_kubeadm_configmap_starts_the_proxy_with_kube_proxys_values(
         "--metrics-bind-address=127.0.0.1:0",
         "--iptables-backend=none",
         "--oom-score-adj=0",
+        "--workers=1",
     ]
     config = cli.parse_config(cli.make_parser().parse_args(["run", *argv]))
     async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
