@@ -480,3 +480,38 @@ def test_helm_renders_extra_volumes_and_kubeadms_kubeconfig() -> None:
     assert {"name": "certs", "mountPath": "/etc/pki", "readOnly": True} in container["volumeMounts"]
     assert "--kubeconfig=/var/lib/kube-proxy/kubeconfig.conf" in container["args"]
     assert "--metrics-per-service-port=false" in container["args"]
+
+
+def test_security_context_defaults_runtime_seccomp_and_no_net_raw() -> None:
+    context = VALUES["securityContext"]
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert context["capabilities"] == {"add": ["NET_ADMIN"], "drop": ["ALL"]}
+    daemonset = (TEMPLATES / "daemonset.yaml").read_text()
+    # NET_RAW is added by the template, for the backends that may use the legacy tables only.
+    assert 'has .Values.iptablesBackend (list "iptc" "auto")' in daemonset
+    assert '"NET_RAW"' in daemonset
+
+
+def test_state_directory_is_a_host_path() -> None:
+    assert VALUES["stateDir"] == "/var/lib/kube-userspace-proxy"
+    daemonset = (TEMPLATES / "daemonset.yaml").read_text()
+    assert "mountPath: {{ .Values.stateDir }}" in daemonset
+    assert "path: {{ .Values.stateDir }}\n            type: DirectoryOrCreate" in daemonset
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    ("backend", "raw"), [("auto", True), ("iptc", True), ("restore", False), ("none", False)]
+)
+def test_net_raw_only_for_backends_that_may_use_the_legacy_tables(backend: str, raw: bool) -> None:
+    objects = render({**KIND_VALUES, "iptablesBackend": backend})
+    pod = objects["DaemonSet"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    context = container["securityContext"]
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert ("NET_RAW" in context["capabilities"]["add"]) is raw
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["state"]["hostPath"] == {
+        "path": "/var/lib/kube-userspace-proxy",
+        "type": "DirectoryOrCreate",
+    }
