@@ -140,6 +140,7 @@ class Proxy:
                 node_ips=config.node_ips,
                 bind_address=config.bind_address,
                 nodeport_addresses=config.nodeport_addresses,
+                guard_proxy_ports=config.guard_proxy_ports,
             )
             self.proxier.set_rule_sink(_CountingRules(portals, self.metrics))
             self.portals = portals

@@ -183,6 +183,7 @@ _RUN_FLAGS = (
     _Flag("--metrics-per-service-port", "metrics_per_service_port", "bool", "true|false"),
     _Flag("--shutdown-grace", "shutdown_grace", "duration"),
     _Flag("--workers", "workers", "str", "count or auto"),
+    _Flag("--guard-proxy-ports", "guard_proxy_ports", "bool", "true|false"),
     _Flag("--loopback-endpoints", "loopback_endpoints", "choice", "", ("auto", "allow", "deny")),
 )
 

@@ -152,6 +152,8 @@ class ProxyConfig(BaseModel):
     """Export per-service-port series (labels namespace, service, port); off for big clusters."""
     kube_proxy_config: dict[str, Any] = {}
     """The KubeProxyConfiguration document read with --config, kube-proxy's defaults filled in."""
+    guard_proxy_ports: bool = True
+    """REJECT connections made straight to a proxy port (not sent there by the nat rules)."""
     loopback_endpoints: Literal["auto", "allow", "deny"] = "auto"
     """Whether endpoints on loopback addresses are dialed: auto allows them with --manifests
     only (the demo's pods are on 127.0.0.x); a cluster's never are (they would reach the node)."""

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.integration.conftest import Proxy, service, write_manifest
-from tests.integration.netns import PODS, Topology, stop, wait_for
+from tests.integration.netns import NODE_IP, PODS, Topology, stop, wait_for
+
+pytestmark = pytest.mark.integration
 
 HEALTHZ = "127.0.0.1:10256"
 METRICS = "127.0.0.1:10249"
@@ -106,3 +112,41 @@ def test_iptables_failing_on_every_call_keeps_livez_and_traffic_and_fails_health
     finally:
         for proc in proxy.runs:
             stop(proc, signal.SIGKILL)
+
+
+def _proxy_port(proxy: Proxy, chain: str, needle: str) -> int:
+    """The proxy port a nat rule of `chain` mentioning `needle` sends traffic to."""
+    for line in proxy.rules("nat"):
+        if line.startswith(f"-A {chain} ") and needle in line:
+            return int(re.findall(r"(?:--to-ports |:)(\d+)$", line)[0])
+    raise AssertionError(f"no {chain} rule with {needle}")
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["guarded", "unguarded"])
+def test_a_proxy_port_answers_only_what_the_nat_rules_sent_there(
+    proxy_factory: Callable[..., Proxy], guard: bool
+) -> None:
+    objects = [
+        *service("web", "10.96.0.10", 80, node_port=30080),
+        *service("dns", "10.96.0.53", 53, protocol="UDP"),
+    ]
+    proxy = proxy_factory(objects, *([] if guard else ["--guard-proxy-ports=false"]))
+    proxy.wait_rules('"default/web:p"', '"default/dns:p"')
+    client = proxy.topo.client
+    wait_for(lambda: client.ask("tcp", "10.96.0.10", 80)[0] in PODS, "web answering")
+    web = _proxy_port(proxy, "KUBE-PORTALS-CONTAINER", "10.96.0.10/32")
+    dns = _proxy_port(proxy, "KUBE-PORTALS-CONTAINER", "10.96.0.53/32")
+    # Through the rules: ClusterIP (TCP and UDP) and the NodePort keep working.
+    assert set(client.ask("tcp", "10.96.0.10", 80, 6)) == set(PODS)
+    assert set(client.ask("udp", "10.96.0.53", 53, 6)) == set(PODS)
+    assert set(client.ask("tcp", NODE_IP, 30080, 6)) == set(PODS)
+    # Straight to node-ip:proxy-port from another host (the client namespace).
+    direct_tcp = client.ask("tcp", NODE_IP, web, 3)
+    direct_udp = client.ask("udp", NODE_IP, dns, 2)
+    if guard:
+        assert direct_tcp == ["refused"] * 3
+        assert all(answer not in PODS for answer in direct_udp)
+        assert "-j KUBE-PROXY-PORTS" in proxy.save("filter")
+    else:
+        assert set(direct_tcp) <= set(PODS)
+        assert set(direct_udp) <= set(PODS)

@@ -24,6 +24,7 @@ from kube_userspace_proxy.portals.rules import (
     HOST_NODEPORTS,
     HOST_PORTALS,
     NON_LOCAL_NODEPORTS,
+    PROXY_PORTS,
     Rule,
     Settings,
     claimed,
@@ -105,7 +106,7 @@ def test_external_paths_go_to_the_external_port() -> None:
     p = port(node_port=30080, external_ips=("192.0.2.5",), lb_ips=("198.51.100.7",))
     p = ProxiedPort(p.info, 40001, 40002)
     for rule in render([p], NODE):
-        if rule.is_jump:
+        if rule.is_jump or rule.chain == PROXY_PORTS:  # the guard covers both ports
             continue
         cluster = rule.dst == "10.96.0.10/32"
         expected = 40001 if cluster else 40002
@@ -153,7 +154,7 @@ def test_node_port_rules_match_the_node_port_on_any_local_address() -> None:
     ]
     assert [line for line in rules if line.startswith(f"-A {NON_LOCAL_NODEPORTS} ")] == [
         '-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "default/web:http"'
-        " -m tcp --dport 40001 -m state --state NEW -j ACCEPT"
+        " -m tcp --dport 40001 -m state --state NEW -m conntrack --ctstate DNAT -j ACCEPT"
     ]
 
 
@@ -180,6 +181,7 @@ def test_jumps_lead_into_our_chains_in_kube_proxy_order() -> None:
         ("nat", "PREROUTING", CONTAINER_NODEPORTS, False),
         ("nat", "OUTPUT", HOST_NODEPORTS, False),
         ("filter", "INPUT", NON_LOCAL_NODEPORTS, True),
+        ("filter", "INPUT", PROXY_PORTS, True),
     ]
     assert jumps[2].line == (
         '-A PREROUTING -m comment --comment "handle service NodePorts; NOTE: this must be the'
@@ -190,7 +192,7 @@ def test_jumps_lead_into_our_chains_in_kube_proxy_order() -> None:
 def test_ipv6_cluster_ips_render_for_ip6tables() -> None:
     s = Settings(node_ips=("10.244.0.1", "fd00::1"), bind_address="::")
     rules = list(render([port(cluster_ips=("10.96.0.10", "fd00:96::10"))], s))
-    v6 = [r.line for r in rules if r.family == 6 and not r.is_jump]
+    v6 = [r.line for r in rules if r.family == 6 and not r.is_jump and r.table == "nat"]
     assert v6 == [
         "-A KUBE-PORTALS-CONTAINER -d fd00:96::10/128 -p tcp -m comment --comment"
         ' "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001',
@@ -214,7 +216,7 @@ def test_unspecified_ipv6_bind_address_serves_both_families() -> None:
     rules = render([port(cluster_ips=("10.96.0.10", "fd00:96::10"), node_port=30080)], s)
     for family in (4, 6):
         mine = [r for r in rules if r.family == family and not r.is_jump]
-        assert {r.chain for r in mine} == {*CHAINS["nat"], NON_LOCAL_NODEPORTS}
+        assert {r.chain for r in mine} == {*CHAINS["nat"], NON_LOCAL_NODEPORTS, PROXY_PORTS}
         assert all(r.target != "DNAT" or r.to_addr in s.node_ips for r in mine)
         assert all(r.target != "REDIRECT" or r.chain.endswith("-CONTAINER") for r in mine)
 
@@ -725,11 +727,36 @@ def test_one_change_restore_input_holds_only_the_changed_rules() -> None:
     after = [*before[:100], moved, *before[101:]]
     step, _ = sync(table, nat(after), state)
     text = restore_text("nat", step.ops).splitlines()
-    old = [r for r in render([before[100]], NODE) if not r.is_jump]
-    new = [r for r in render([moved], NODE) if not r.is_jump]
+    old = [r for r in render([before[100]], NODE) if not r.is_jump and r.table == "nat"]
+    new = [r for r in render([moved], NODE) if not r.is_jump and r.table == "nat"]
     assert len(old) == len(new) == 2  # a container and a host rule
     assert text[0] == "*nat"
     assert text[-1] == "COMMIT"
     assert sorted(text[1:-1]) == sorted(
         [f"-D {r.chain} {r.spec}" for r in old] + [r.line for r in new]
     )
+
+
+def test_every_proxy_port_is_guarded_against_direct_connections() -> None:
+    p = ProxiedPort(port(node_port=30080).info, 40001, 40002)
+    dns = ServicePortName("default", "dns", "", Protocol.UDP)
+    udp = port(name=dns, cluster_ips=("10.96.0.11",), cluster_port=40003)
+    rules = lines([p, udp], chain=PROXY_PORTS)
+    assert rules == [
+        '-A KUBE-PROXY-PORTS -p udp -m comment --comment "default/dns" -m udp --dport 40003'
+        " -j REJECT --reject-with icmp-port-unreachable",
+        '-A KUBE-PROXY-PORTS -p tcp -m comment --comment "default/web:http" -m tcp --dport 40001'
+        " -j REJECT --reject-with tcp-reset",
+        '-A KUBE-PROXY-PORTS -p tcp -m comment --comment "default/web:http" -m tcp --dport 40002'
+        " -j REJECT --reject-with tcp-reset",
+    ]
+    (jump,) = [r for r in render([p], NODE) if r.target == PROXY_PORTS]
+    assert jump.prepend and jump.chain == "INPUT"
+    assert jump.line.endswith(
+        "-m state --state NEW -m conntrack ! --ctstate DNAT -j KUBE-PROXY-PORTS"
+    )
+
+
+def test_the_guard_can_be_turned_off() -> None:
+    s = replace(NODE, guard=False)
+    assert not [r for r in render([port(node_port=30080)], s) if r.chain == PROXY_PORTS]

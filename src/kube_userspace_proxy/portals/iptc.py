@@ -208,12 +208,16 @@ class Encoder:
             r.create_match("addrtype").dst_type = "LOCAL"
         if rule.state_new:
             r.create_match("state").state = "NEW"
+        if rule.ctstate:
+            r.create_match("conntrack").ctstate = rule.ctstate  # "!DNAT": negated
         jump = rule.is_jump
         target = r.create_target("ACCEPT" if jump else rule.target)
         if rule.target == "REDIRECT":
             target.to_ports = str(rule.to_port)
         elif rule.target == "DNAT":
             target.to_destination = join_host_port(rule.to_addr, rule.to_port)
+        elif rule.target == "REJECT":
+            target.reject_with = rule.reject_with
         r.final_check()
         buf = bytearray(bytes(r.rule))
         if jump:
@@ -234,6 +238,8 @@ class Encoder:
             rule.physdev_not_in,
             rule.dst_local,
             rule.state_new,
+            rule.ctstate,
+            rule.reject_with,
             bool(rule.to_port),
             bool(rule.to_addr),
         )

@@ -58,6 +58,7 @@ class Portals:
         bind_address: str = "0.0.0.0",
         nodeport_addresses: Sequence[str] = (),
         physdev: bool | None = None,
+        guard_proxy_ports: bool = True,
     ) -> None:
         if physdev is None:
             physdev = kernel_has_match("physdev")
@@ -67,7 +68,9 @@ class Portals:
                     " traffic from pods on a bridge"
                 )
         self.backend = backend
-        self._settings = Settings(tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev)
+        self._settings = Settings(
+            tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev, guard_proxy_ports
+        )
         self._applied: dict[tuple[Family, str], _Applied] = {}
         self._rendered: dict[ProxiedPort, list[Rule]] = {}
         self._leftovers_found: set[tuple[Family, str]] = set()

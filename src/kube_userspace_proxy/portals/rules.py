@@ -19,6 +19,13 @@ Five chains, laid out as kube-proxy's userspace mode had them:
   match broadly (any local address, one port); a ClusterIP must never be captured by them.
 - filter `KUBE-NODEPORT-NON-LOCAL` (jump prepended to INPUT): ACCEPT new connections to the
   proxy port behind a NodePort, so a default-deny INPUT policy does not drop NodePort traffic.
+  Only connections the nat rules sent there (`--ctstate DNAT`; REDIRECT is a DNAT too).
+- filter `KUBE-PROXY-PORTS` (jump prepended to INPUT for new connections that no nat rule
+  rewrote: `-m state --state NEW -m conntrack ! --ctstate DNAT`): REJECT each proxy port, so a
+  proxy port answers only what the portal and NodePort rules sent there. Without it, anyone who
+  can reach the node could connect to `node-ip:proxy-port` and reach a ClusterIP Service from
+  outside the cluster. Only the first packet of a connection the nat rules did not touch walks
+  this chain. `--guard-proxy-ports=false` leaves it empty.
 
 Every rule carries `-m comment --comment ns/name:port`. External IPs get three rules, as the Go
 proxier had them: from outside the node's bridges (`-m physdev ! --physdev-is-in`), from pods
@@ -50,13 +57,14 @@ HOST_PORTALS = "KUBE-PORTALS-HOST"
 CONTAINER_NODEPORTS = "KUBE-NODEPORT-CONTAINER"
 HOST_NODEPORTS = "KUBE-NODEPORT-HOST"
 NON_LOCAL_NODEPORTS = "KUBE-NODEPORT-NON-LOCAL"
+PROXY_PORTS = "KUBE-PROXY-PORTS"
 
 NAT = "nat"
 FILTER = "filter"
 TABLES = (NAT, FILTER)
 CHAINS: dict[str, tuple[str, ...]] = {
     NAT: (CONTAINER_PORTALS, HOST_PORTALS, CONTAINER_NODEPORTS, HOST_NODEPORTS),
-    FILTER: (NON_LOCAL_NODEPORTS,),
+    FILTER: (NON_LOCAL_NODEPORTS, PROXY_PORTS),
 }
 """Our chains per table, in the order they are declared."""
 OUR_CHAINS = frozenset(c for chains in CHAINS.values() for c in chains)
@@ -107,8 +115,11 @@ class Rule:
     physdev_not_in: bool = False
     dst_local: bool = False
     state_new: bool = False
+    ctstate: str = ""
+    """`-m conntrack --ctstate X`; a leading `!` negates it."""
     to_port: int = 0
     to_addr: str = ""
+    reject_with: str = ""
     prepend: bool = False
     why: str = ""
     spec: str = field(init=False, repr=False)
@@ -133,9 +144,15 @@ class Rule:
             parts += ["-m", "addrtype", "--dst-type", "LOCAL"]
         if self.state_new:
             parts += ["-m", "state", "--state", "NEW"]
+        if self.ctstate:
+            negated = self.ctstate.startswith("!")
+            parts += ["-m", "conntrack", *(["!"] if negated else []), "--ctstate"]
+            parts.append(self.ctstate.removeprefix("!"))
         parts += ["-j", self.target]
         if self.target == "REDIRECT":
             parts += ["--to-ports", str(self.to_port)]
+        elif self.target == "REJECT":
+            parts += ["--reject-with", self.reject_with]
         elif self.target == "DNAT":
             parts += ["--to-destination", join_host_port(self.to_addr, self.to_port)]
         spec = " ".join(parts)
@@ -188,6 +205,9 @@ def jumps(family: Family) -> list[Rule]:
         Rule(family, FILTER, "INPUT", NON_LOCAL_NODEPORTS, nonlocal_, prepend=True,
              why="before any firewall rule of the node, let NodePort connections reach the"
              " proxy ports"),
+        Rule(family, FILTER, "INPUT", PROXY_PORTS, "refuse proxy ports not reached via nat",
+             state_new=True, ctstate="!DNAT", prepend=True,
+             why="new connections no nat rule rewrote are checked against the proxy ports"),
     ]  # fmt: skip
 
 
@@ -199,6 +219,8 @@ class Settings:
     bind_address: str = "0.0.0.0"
     nodeport_addresses: tuple[str, ...] = ()
     physdev: bool = True
+    guard: bool = True
+    """REJECT connections to proxy ports that no nat rule sent there (KUBE-PROXY-PORTS)."""
 
     def serves(self, family: Family) -> bool:
         """True when the proxy ports accept connections of `family` (see `served_families`)."""
@@ -301,6 +323,10 @@ class _Renderer:
         if cport == 0:
             return
         proto = info.protocol.upper()
+        if self.s.guard:
+            for family in sorted(served_families(self.s.bind_address)):
+                for port in sorted({cport, ext} - {0}):
+                    self.guard(family, pp, port)
         families: set[Family] = set()
         for ip in info.cluster_ips:
             if (m := self.match(ip, pp)) is None:
@@ -356,6 +382,19 @@ class _Renderer:
             for family in sorted(families):
                 self.node_port(family, pp)
 
+    def guard(self, family: Family, pp: ProxiedPort, port: int) -> None:
+        proto = pp.info.protocol.lower()
+        if proto == "tcp":
+            reject = "tcp-reset"
+        else:
+            reject = "icmp6-port-unreachable" if family == 6 else "icmp-port-unreachable"
+        self.add(
+            Rule(family, FILTER, PROXY_PORTS, "REJECT", str(pp.info.name), protocol=proto,
+                 dport=port, reject_with=reject,
+                 why=f"refuse {proto.upper()} connections made straight to proxy port {port}"
+                 f" ({pp.info.name}): only the nat rules may send traffic there")
+        )  # fmt: skip
+
     def node_port(self, family: Family, pp: ProxiedPort) -> None:
         np, ext, name = pp.info.node_port, pp.external_port, str(pp.info.name)
         proto = pp.info.protocol.lower()
@@ -379,6 +418,7 @@ class _Renderer:
                     protocol=proto,
                     dport=ext,
                     state_new=True,
+                    ctstate="DNAT",
                     why=f"accept new {proto.upper()} connections to proxy port {ext}"
                     f" (NodePort {np} of {name}) even under a default-deny INPUT policy",
                 )
@@ -431,12 +471,13 @@ def explain(
     bind_address: str = "0.0.0.0",
     nodeport_addresses: Sequence[str] = (),
     physdev: bool = True,
+    guard: bool = True,
 ) -> list[tuple[str, str]]:
     """(iptables-save line, one-line explanation) for every rule, for `rules` and the demo.
 
     The explanation names the table when it is not nat and the family when it is IPv6.
     """
-    settings = Settings(tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev)
+    settings = Settings(tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev, guard)
     out = []
     for rule in render(ports, settings, families={ip_family(ip) or 4 for ip in node_ips}):
         tags = ["IPv6"] if rule.family == 6 else []
