@@ -515,3 +515,9 @@ def test_net_raw_only_for_backends_that_may_use_the_legacy_tables(backend: str, 
         "path": "/var/lib/kube-userspace-proxy",
         "type": "DirectoryOrCreate",
     }
+
+
+def test_no_memory_limit_and_a_request_from_measured_rss() -> None:
+    # An OOM kill cuts every proxied connection on the node (README "Failure modes").
+    assert "limits" not in VALUES["resources"]
+    assert VALUES["resources"]["requests"]["memory"] == "192Mi"
