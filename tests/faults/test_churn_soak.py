@@ -1,0 +1,27 @@
+"""The fault suite: stable Services keep answering through churn, API-server restarts with
+compaction, and backends dying and coming back; the proxy's footprint stays flat.
+
+About 60 s: 10 s of warm-up, then 50 s measured. `benchmarks/soak.py` runs the same for 10
+minutes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.faults.soak import run
+
+
+@pytest.mark.timeout(180)
+async def test_stable_services_never_fail_and_the_footprint_stays_flat(tmp_path: Path) -> None:
+    result = await run(tmp_path, warmup=10, measure=50, log=tmp_path / "proxy.log")
+    print(result.report())
+    assert result.requests > 1000
+    assert result.churn_events >= 10 * 50  # 10 or more Service/EndpointSlice changes a second
+    assert result.api_restarts >= 2 and result.backend_kills >= 8
+    assert result.failures == [], f"{len(result.failures)} failed: {result.failures[:5]}"
+    rss_drift, fd_drift = result.drift()
+    assert abs(rss_drift) <= 0.05, result.report()
+    assert abs(fd_drift) <= 0.05, result.report()
