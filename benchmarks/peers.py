@@ -127,6 +127,8 @@ stream {{
 }}
 """
 
+# Short-lived children of a peer, left out of its sums.
+HELPERS = ("iptables", "ip6tables", "xtables")
 PEERS = ("kernel", "proxy-1", "proxy-auto", "haproxy", "nginx")
 # A proxied connection holds two descriptors: 9,400 of them fit under RLIMIT_NOFILE 20,000.
 MAX_PROXIED = 9400
@@ -155,7 +157,11 @@ class Peer:
         return self.proc is None or self.proc.poll() is None
 
     def pids(self) -> list[int]:
-        return process_tree(self.proc.pid) if self.proc is not None else []
+        """The peer's long-lived processes: not the iptables runs this proxy starts now and
+        then, which would leave the CPU and memory sums as they end."""
+        if self.proc is None:
+            return []
+        return [pid for pid in process_tree(self.proc.pid) if not command(pid).startswith(HELPERS)]
 
     def redirect(self) -> tuple[int, int] | None:
         """The (HTTP, bulk) ports to REDIRECT the ClusterIPs to, for a peer without rules."""
@@ -352,6 +358,7 @@ class Run:
                 out["processes"] = len(pids)
                 out["rss_start_kib"], out["pss_start_kib"] = memory(pids)
                 out["rss_start_by_process_kib"] = [memory_kib(pid)[0] for pid in pids]
+                out["process_names"] = [command(pid) for pid in pids]
             url = f"http://{peer.http}:{HTTP_PORT}/"
             load = {"threads": a.threads, "connections": a.connections}
             bed.wrk(url, 1, **load, close=False)  # warm-up
@@ -418,6 +425,14 @@ class Run:
             "rss_before_kib": before,
             "kib_per_connection": (rss - before) / max(1, opened),
         }
+
+
+def command(pid: int) -> str:
+    """A process's name (/proc/PID/comm), or "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def memory(pids: list[int]) -> tuple[int, int]:

@@ -281,8 +281,10 @@ def _importable(module: str) -> bool:
     try:
         __import__(module)
     except ImportError:
-        # Console-tool requirements (py-spy) have no module: a command on PATH will do.
-        return shutil.which(module.replace("_", "-")) is not None
+        # Console-tool requirements (py-spy) have no module: a command beside this Python
+        # (the virtualenv's bin, often not on PATH under sudo) or on PATH will do.
+        command = module.replace("_", "-")
+        return (Path(sys.executable).parent / command).exists() or bool(shutil.which(command))
     return True
 
 
