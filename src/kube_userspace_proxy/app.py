@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 import uvloop
 
 from kube_userspace_proxy import kubeproxyconfig as kpc
-from kube_userspace_proxy import logs, netutil
+from kube_userspace_proxy import logs, netutil, statefile
 from kube_userspace_proxy.config import ProxyConfig, effective_document
 from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.health import ProxyHealth
 from kube_userspace_proxy.metrics import ProxyMetrics
-from kube_userspace_proxy.model import ProxiedPort
+from kube_userspace_proxy.model import ProxiedPort, Snapshot
 from kube_userspace_proxy.ops import OpsServer, start_ops
 from kube_userspace_proxy.portals import Portals, explain, make_backend
 from kube_userspace_proxy.ports import PortAllocator
@@ -38,7 +38,6 @@ from kube_userspace_proxy.proxier import (
 )
 from kube_userspace_proxy.servicehealth import ServiceHealthServers, no_local_endpoints
 from kube_userspace_proxy.sources import Source
-from kube_userspace_proxy.sources.kube import KubeSource, load_client_configuration
 from kube_userspace_proxy.sources.manifests import ManifestSource
 from kube_userspace_proxy.state import ClusterState
 from kube_userspace_proxy.sync import BoundedFrequencyRunner
@@ -94,6 +93,10 @@ class Proxy:
         self.synced_once = asyncio.Event()
         self.syncs = 0
         """Syncs completed (listeners, workers and rules all updated)."""
+        self._saved: Snapshot | None = None
+        self._unsaved: Snapshot | None = None
+        self._saver: asyncio.Task[None] | None = None
+        self._save_failed = False
         workers = config.worker_count
         self.workers: WorkerPool | None = None
         self.portals: Portals | None = None
@@ -208,11 +211,65 @@ class Proxy:
             metrics.network_programming(max(0.0, now - trigger))
         self.syncs += 1
         self.synced_once.set()
+        self._save_later(snapshot)
         return True
 
     def counted_rules(self) -> list[tuple[int, str, str, int, int]] | None:
         """Our installed rules with their counters (blocking); None when this proxy has none."""
         return self.portals.counted_rules() if self.portals is not None else None
+
+    def saved_state(self) -> tuple[Snapshot, statefile.Ports] | None:
+        """What an earlier run saved in the state directory (None: nothing usable)."""
+        if not self.config.state_dir:
+            return None
+        return statefile.load(self.config.state_dir, node_name=self.state.node_name)
+
+    async def restore(self, saved: tuple[Snapshot, statefile.Ports]) -> None:
+        """Serve the state an earlier run saved, until the first complete list.
+
+        The earlier run's rules may still point at its proxy ports: the same ports are taken
+        again, so its Services answer while the API server is away.
+        """
+        snapshot, ports = saved
+        if self.config.node_ips:
+            snapshot = replace(snapshot, node_ips=self.config.node_ips)
+        log.info(
+            "serving %d service port(s) from the state file %s until the first complete list",
+            len(snapshot.services),
+            statefile.path(self.config.state_dir),
+        )
+        self.proxier.prefer_ports(ports)
+        await self.proxier.sync(snapshot)
+        self._saved = snapshot
+
+    def _save_later(self, snapshot: Snapshot) -> None:
+        """Write the state file in the background when the served state changed."""
+        saved = self._saved
+        if not self.config.state_dir or (
+            saved is not None
+            and saved.services == snapshot.services
+            and saved.endpoints == snapshot.endpoints
+            and saved.node_ips == snapshot.node_ips
+        ):
+            return
+        self._saved = snapshot
+        self._unsaved = snapshot
+        if self._saver is None or self._saver.done():
+            self._saver = asyncio.create_task(self._save_loop(), name="state-file")
+
+    async def _save_loop(self) -> None:
+        # At most one write a second: at 10,000 Services the file is megabytes.
+        while self._unsaved is not None:
+            snapshot, self._unsaved = self._unsaved, None
+            ports = self.proxier.served_ports()
+            try:
+                await asyncio.to_thread(statefile.save, self.config.state_dir, snapshot, ports)
+                self._save_failed = False
+            except OSError as exc:
+                if not self._save_failed:
+                    log.warning("cannot write the state file in %s: %s", self.config.state_dir, exc)
+                self._save_failed = True
+            await asyncio.sleep(1.0)
 
     async def collect(self, *, debug: bool = False) -> None:
         """Bring the per-service-port counters up to date (summed from the workers)."""
@@ -238,6 +295,10 @@ def make_source(
     """Manifests when `--manifests` is given, else the API server (counted in `metrics`)."""
     if config.manifests:
         return ManifestSource(list(config.manifests), state)
+    # Imported here: kubernetes_asyncio takes a quarter of the start-up, which a restart from
+    # the state file does not wait for.
+    from kube_userspace_proxy.sources.kube import KubeSource  # noqa: PLC0415
+
     return KubeSource(
         state,
         kubeconfig=config.kubeconfig or None,
@@ -249,6 +310,28 @@ def make_source(
         relist_period=config.config_sync_period,
         on_request=metrics.api_request if metrics is not None else None,
     )
+
+
+async def _start_ops(proxy: Proxy) -> None:
+    config = proxy.config
+    proxy.ops = await start_ops(
+        healthz_bind=config.healthz_bind_address,
+        metrics_bind=config.metrics_bind_address,
+        health=proxy.health,
+        metrics=proxy.metrics,
+        debug_state=proxy.proxier.debug_state,
+        configz=lambda: {kpc.GROUP: effective_document(config)},
+        collect=proxy.collect,
+    )
+
+
+async def _check_client_configuration(config: ProxyConfig) -> None:
+    """Raise ConfigError (exit 2) when the API server's client configuration is unusable."""
+    if config.manifests:
+        return
+    from kube_userspace_proxy.sources.kube import load_client_configuration  # noqa: PLC0415
+
+    await load_client_configuration(config.kubeconfig or None, config.master or None)
 
 
 async def _first_done(tasks: Sequence[asyncio.Task[Any]], stop: asyncio.Event) -> str:
@@ -285,8 +368,11 @@ async def serve(
     source = make_source(config, proxy.state, proxy.metrics)
     if isinstance(source, KubeSource):
         proxy.metrics.follow_source(source)
+
+    saved = proxy.saved_state()
+    if saved is None:
         # A bad kubeconfig is a configuration error (exit 2), found before anything runs.
-        await load_client_configuration(config.kubeconfig or None, config.master or None)
+        await _check_client_configuration(config)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -303,13 +389,21 @@ async def serve(
             collect=proxy.collect,
             rules=proxy.counted_rules,
         )
+
+        await _start_ops(proxy)
         if proxy.workers is not None:
             await proxy.workers.start()
+        if saved is not None:
+            # Served from the file first (a restart during an API-server outage); a bad
+            # kubeconfig still ends the process with exit code 2.
+            await proxy.restore(saved)
+            await _check_client_configuration(config)
     except ProxyError as exc:
         log.error("%s", exc)
         if proxy.ops is not None:
             await proxy.ops.close()
         return 1
+    source = make_source(config, proxy.state)
     tasks = [
         asyncio.create_task(source.run(), name="source"),
         asyncio.create_task(proxy.runner.loop(), name="sync"),

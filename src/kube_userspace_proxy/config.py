@@ -160,6 +160,9 @@ class ProxyConfig(BaseModel):
     workers: str = "auto"
     """Data-plane worker processes: a count, or auto (the CPUs this process may use, at most 4);
     1 serves from the control process itself."""
+    state_dir: str = "/var/lib/kube-userspace-proxy"
+    """Directory for the last applied state (served.json), served at start until the API server
+    answers; empty disables."""
 
     @field_validator("bind_address")
     @classmethod

@@ -146,6 +146,7 @@ def demo_config(manifests: FsPath) -> ProxyConfig:
         nodeport_addresses=("127.0.0.1/32",),
         min_sync_period=0.1,
         shutdown_grace=1.0,
+        state_dir="",  # the demo leaves nothing behind
     )
 
 

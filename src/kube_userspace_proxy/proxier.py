@@ -205,7 +205,21 @@ class Proxier:
         # Sockets on the ports an earlier run's rules point at, kept for the same service
         # ports until the first commit; None until they have been read.
         self._claims: dict[ClaimKey, socket.socket] | None = None
+        self._preferred: dict[ClaimKey, int] = {}
         self.node_name: str | None = None
+
+    def prefer_ports(self, ports: dict[ClaimKey, int]) -> None:
+        """Before the first sync: serve these service ports on these proxy ports if free
+        (an earlier run's, from the state file; the installed rules' win over them)."""
+        self._preferred = dict(ports)
+
+    def served_ports(self) -> dict[ClaimKey, int]:
+        """The proxy port of each served (service port, protocol, path), for the state file."""
+        return {
+            (str(name), str(name.protocol), str(path)): listener.port
+            for name, served in self._served.items()
+            for path, listener in served.listeners.items()
+        }
 
     def set_rule_sink(self, portals: RuleSink | None) -> None:
         """Send each sync's rule targets to `portals` (None: serve proxy ports only)."""
@@ -344,13 +358,13 @@ class Proxier:
         throughout, and no other service port can receive its traffic meanwhile.
         """
         self._claims = {}
-        if self._portals is None:
-            return
-        try:
-            claimed = await asyncio.to_thread(self._portals.claimed_ports)
-        except Exception as exc:
-            log.warning("cannot read the installed rules' proxy ports: %s", exc)
-            return
+        # The state file's ports first, the installed rules' over them: rules carry traffic.
+        claimed = dict(self._preferred)
+        if self._portals is not None:
+            try:
+                claimed.update(await asyncio.to_thread(self._portals.claimed_ports))
+            except Exception as exc:
+                log.warning("cannot read the installed rules' proxy ports: %s", exc)
         for key, port in sorted(claimed.items()):
             protocol = Protocol(key[1])
             try:
@@ -365,7 +379,7 @@ class Proxier:
             log.debug("holding proxy port %s/%d for %s %s", protocol, port, key[0], key[2])
             self._claims[key] = sock
         if self._claims:
-            log.info("holding %d proxy port(s) that installed rules point at", len(self._claims))
+            log.info("holding %d proxy port(s) an earlier run served", len(self._claims))
 
     def _drop_claims(self) -> None:
         assert self._claims is not None

@@ -226,9 +226,19 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Start every worker and the spare; raises ProxyError when one cannot start."""
-        for index in range(self.count):
-            self._workers[index] = await self._spawn(index)
-        self._spare = await self._spawn(SPARE)
+        started = await asyncio.gather(
+            *(self._spawn(index) for index in range(self.count)), return_exceptions=True
+        )
+        failed = [r for r in started if isinstance(r, BaseException)]
+        for index, result in enumerate(started):
+            if isinstance(result, _Worker):
+                self._workers[index] = result
+        if failed:
+            for worker in self._workers:
+                if worker is not None:
+                    await self._end(worker)
+            raise failed[0]
+        self._keep_spare()  # in the background: the workers serve without waiting for it
 
     async def _spawn(self, index: int) -> _Worker:
         """A started worker process (ready: it said hello); ProxyError when it cannot start."""

@@ -62,6 +62,7 @@ def kube_config(kubeconfig: str, **overrides: Any) -> ProxyConfig:
         "min_sync_period": 0.05,
         "shutdown_grace": 1.0,
         "loopback_endpoints": "allow",  # the backends run on 127.0.0.1
+        "state_dir": "",
     }
     values.update(overrides)
     return ProxyConfig(**values)

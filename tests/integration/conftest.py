@@ -148,6 +148,8 @@ class Proxy:
             "127.0.0.1:0",
             "--iptables-sync-period",
             "1s",
+            "--state-dir",
+            str(self.log.parent / f"state-{self.log.stem}"),
             "--iptables-min-sync-period",
             "100ms",
             *self.extra,

@@ -126,6 +126,7 @@ def loopback_config(manifests: Path, **overrides: Any) -> ProxyConfig:
         "shutdown_grace": 1.0,
         # In-process tests look inside the data plane; tests/workers run the default.
         "workers": "1",
+        "state_dir": "",  # tests that restart from a state file pass their own directory
     }
     values.update(overrides)
     return ProxyConfig(**values)

@@ -95,6 +95,8 @@ async def test_sigterm_lets_a_transfer_in_flight_finish_and_exits_0(tmp_path: Pa
             "127.0.0.1:0",
             "--shutdown-grace",
             "10s",
+            "--state-dir",
+            "",
         ],
         stderr=subprocess.PIPE,
         text=True,

@@ -107,7 +107,7 @@ async def test_a_stderr_pipe_nobody_reads_never_stalls_the_data_plane(
         [sys.executable, "-m", "kube_userspace_proxy", "run", "--manifests", str(manifest),
          "--iptables-backend", "none", "--bind-address", "127.0.0.1",
          "--proxy-port-range", f"{port}-{port}", "--healthz-bind-address", "",
-         "--metrics-bind-address", "", "--workers", workers, "-v", "4"],
+         "--metrics-bind-address", "", "--workers", workers, "-v", "4", "--state-dir", ""],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:

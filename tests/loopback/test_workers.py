@@ -371,6 +371,8 @@ async def test_a_worker_that_cannot_start_is_a_clear_error(
         "127.0.0.1:0",
         "--workers",
         "2",
+        "--state-dir",
+        "",
         env=env,
         stderr=asyncio.subprocess.PIPE,
     )

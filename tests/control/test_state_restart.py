@@ -1,0 +1,168 @@
+"""A restart during an API-server outage serves every Service from the state file at once.
+
+The real CLI (with its default worker processes) follows the fake API server; the test
+SIGKILLs it while the API server is down and starts it again with the same state directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kube_userspace_proxy import statefile
+from tests.control.conftest import NODE, endpoint_slice, eventually, service
+from tests.fakes.apiserver import FakeApiServer
+from tests.loopback.proxyrun import ask, start_named_backends
+
+CLI = Path(sys.executable).parent / "kube-userspace-proxy"
+NAMES = ("web", "api", "shop")
+ANNOUNCED = re.compile(r"default/(\w+):http -> 127\.0\.0\.1:(\d+)")
+
+
+class Proxy:
+    """One run of the CLI; collects the proxy port each Service is announced on."""
+
+    def __init__(self, kubeconfig: str, state_dir: Path) -> None:
+        self.args = [
+            str(CLI),
+            "run",
+            "--kubeconfig",
+            kubeconfig,
+            "--bind-address",
+            "127.0.0.1",
+            "--iptables-backend",
+            "none",
+            "--healthz-bind-address",
+            "127.0.0.1:0",
+            "--metrics-bind-address",
+            "127.0.0.1:0",
+            "--hostname-override",
+            NODE,
+            "--loopback-endpoints",
+            "allow",
+            "--iptables-min-sync-period",
+            "50ms",
+            "--state-dir",
+            str(state_dir),
+        ]
+        self.ports: dict[str, int] = {}
+        self.lines: list[str] = []
+        self.running_at = 0.0  # when its first line arrived: the interpreter and imports done
+        self.process: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.ports = {}
+        self.running_at = 0.0
+        self.process = await asyncio.create_subprocess_exec(
+            *self.args, stderr=asyncio.subprocess.PIPE
+        )
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.process is not None and self.process.stderr is not None
+        while line := (await self.process.stderr.readline()).decode():
+            self.lines.append(line)
+            if not self.running_at and "starting" in line:
+                self.running_at = time.monotonic()
+            if found := ANNOUNCED.search(line):
+                self.ports[found.group(1)] = int(found.group(2))
+
+    async def kill(self) -> None:
+        assert self.process is not None
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        await self.process.wait()
+        if self._reader is not None:
+            await self._reader
+
+
+@pytest.fixture
+async def proxy(kubeconfig: str, tmp_path: Path) -> AsyncIterator[Proxy]:
+    run = Proxy(kubeconfig, tmp_path / "state")
+    yield run
+    if run.process is not None and run.process.returncode is None:
+        await run.kill()
+
+
+async def _answers(port: int) -> str | None:
+    try:
+        return await asyncio.wait_for(ask(port), 1)
+    except (OSError, TimeoutError):
+        return None
+
+
+async def test_a_restart_during_an_api_outage_serves_from_the_state_file(
+    apiserver: FakeApiServer, proxy: Proxy, tmp_path: Path
+) -> None:
+    started = await start_named_backends([f"pod-{n}" for n in NAMES])
+    try:
+        for i, (name, (_, port, _)) in enumerate(zip(NAMES, started, strict=True)):
+            apiserver.create(service(name, cluster_ip=f"10.96.0.{10 + i}"))
+            apiserver.create(endpoint_slice(f"{name}-a", name, ["127.0.0.1"], port=port))
+        await proxy.start()
+        await eventually(lambda: len(proxy.ports) == len(NAMES), timeout=20, what="all served")
+        first = dict(proxy.ports)
+        for name in NAMES:
+            assert await _answers(first[name]) == f"pod-{name}"
+        state = tmp_path / "state"
+        await eventually(
+            lambda: (
+                (saved := statefile.load(str(state), node_name=NODE)) is not None
+                and len(saved[0].services) == len(NAMES)
+            ),
+            timeout=5,
+            what="the state file",
+        )
+
+        # The API server goes away, then the proxy is killed and started again.
+        await apiserver.stop()
+        await proxy.kill()
+        began = time.monotonic()
+        await proxy.start()
+        answered: dict[str, float] = {}
+        while len(answered) < len(NAMES) and time.monotonic() - began < 10:
+            for name in NAMES:
+                if name not in answered and await _answers(first[name]) == f"pod-{name}":
+                    answered[name] = time.monotonic() - began
+            await asyncio.sleep(0.01)
+        assert set(answered) == set(NAMES), "".join(proxy.lines)
+        # Measured from the new process's first line: its interpreter and imports (about half
+        # a second of CPU, much more on a loaded machine) come before anything can listen.
+        imports = proxy.running_at - began
+        served = {name: round(t - imports, 3) for name, t in answered.items()}
+        print(f"restart: imports {imports:.3f}s, then answered after {served}")
+        assert max(served.values()) < 1.0, (imports, served)
+        # The same proxy ports as before the restart.
+        await eventually(lambda: proxy.ports == first, timeout=2, what="the same ports")
+
+        # The API server returns with a change made meanwhile: the proxy catches up.
+        [(name, port, _)] = extra = await start_named_backends(["pod-web-2"])
+        started.extend(extra)
+        apiserver.update(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port))
+        await apiserver.start()
+
+        async def moved() -> bool:
+            return await _answers(first["web"]) == "pod-web-2"
+
+        deadline = time.monotonic() + 20
+        while not await moved():
+            assert time.monotonic() < deadline, "the proxy never caught up"
+            await asyncio.sleep(0.05)
+    finally:
+        for _, _, server in started:
+            server.close()
+
+
+def test_a_corrupt_or_foreign_state_file_is_ignored(tmp_path: Path) -> None:
+    (tmp_path / statefile.FILE_NAME).write_text("{not json")
+    assert statefile.load(str(tmp_path), node_name=NODE) is None
+    (tmp_path / statefile.FILE_NAME).write_text('{"kind": "Pod", "version": 1}')
+    assert statefile.load(str(tmp_path), node_name=NODE) is None
