@@ -63,6 +63,7 @@ def kube_config(kubeconfig: str, **overrides: Any) -> ProxyConfig:
         "shutdown_grace": 1.0,
         "loopback_endpoints": "allow",  # the backends run on 127.0.0.1
         "state_dir": "",
+        "workers": "1",  # in-process: these tests look at the control plane's timing
     }
     values.update(overrides)
     return ProxyConfig(**values)
