@@ -15,7 +15,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import uvloop
 
@@ -24,7 +24,7 @@ from kube_userspace_proxy import logs, netutil, statefile
 from kube_userspace_proxy.config import ProxyConfig, effective_document
 from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.health import ProxyHealth
-from kube_userspace_proxy.metrics import ProxyMetrics
+from kube_userspace_proxy.metrics import ProxyMetrics, SourceCounters
 from kube_userspace_proxy.model import ProxiedPort, Snapshot
 from kube_userspace_proxy.ops import OpsServer, start_ops
 from kube_userspace_proxy.portals import Portals, explain, make_backend
@@ -319,9 +319,10 @@ async def _start_ops(proxy: Proxy) -> None:
         metrics_bind=config.metrics_bind_address,
         health=proxy.health,
         metrics=proxy.metrics,
-        debug_state=proxy.proxier.debug_state,
+        debug_state=proxy.proxier.debug_items,
         configz=lambda: {kpc.GROUP: effective_document(config)},
         collect=proxy.collect,
+        rules=proxy.counted_rules,
     )
 
 
@@ -365,10 +366,6 @@ async def serve(
         limit,
     )
     proxy = build(config)
-    source = make_source(config, proxy.state, proxy.metrics)
-    if isinstance(source, KubeSource):
-        proxy.metrics.follow_source(source)
-
     saved = proxy.saved_state()
     if saved is None:
         # A bad kubeconfig is a configuration error (exit 2), found before anything runs.
@@ -379,17 +376,6 @@ async def serve(
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, _on_signal, sig, stop)
     try:
-        proxy.ops = await start_ops(
-            healthz_bind=config.healthz_bind_address,
-            metrics_bind=config.metrics_bind_address,
-            health=proxy.health,
-            metrics=proxy.metrics,
-            debug_state=proxy.proxier.debug_items,
-            configz=lambda: {kpc.GROUP: effective_document(config)},
-            collect=proxy.collect,
-            rules=proxy.counted_rules,
-        )
-
         await _start_ops(proxy)
         if proxy.workers is not None:
             await proxy.workers.start()
@@ -403,7 +389,9 @@ async def serve(
         if proxy.ops is not None:
             await proxy.ops.close()
         return 1
-    source = make_source(config, proxy.state)
+    source = make_source(config, proxy.state, proxy.metrics)
+    if not config.manifests:  # the API source's relist, error and bad-data counters
+        proxy.metrics.follow_source(cast(SourceCounters, source))
     tasks = [
         asyncio.create_task(source.run(), name="source"),
         asyncio.create_task(proxy.runner.loop(), name="sync"),
