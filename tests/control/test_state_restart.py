@@ -19,7 +19,7 @@ import pytest
 from kube_userspace_proxy import statefile
 from tests.control.conftest import NODE, endpoint_slice, eventually, service
 from tests.fakes.apiserver import FakeApiServer
-from tests.loopback.proxyrun import ask, start_named_backends
+from tests.loopback.proxyrun import LOOPBACK_RUN_FLAGS, ask, start_named_backends
 
 CLI = Path(sys.executable).parent / "kube-userspace-proxy"
 NAMES = ("web", "api", "shop")
@@ -35,14 +35,7 @@ class Proxy:
             "run",
             "--kubeconfig",
             kubeconfig,
-            "--bind-address",
-            "127.0.0.1",
-            "--iptables-backend",
-            "none",
-            "--healthz-bind-address",
-            "127.0.0.1:0",
-            "--metrics-bind-address",
-            "127.0.0.1:0",
+            *LOOPBACK_RUN_FLAGS,
             "--hostname-override",
             NODE,
             "--loopback-endpoints",

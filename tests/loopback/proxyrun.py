@@ -113,6 +113,19 @@ async def wait_for(predicate: Callable[[], Any], seconds: float = 5.0, what: str
         await asyncio.sleep(0.02)
 
 
+LOOPBACK_RUN_FLAGS = (
+    "--bind-address",
+    "127.0.0.1",
+    "--iptables-backend",
+    "none",
+    "--healthz-bind-address",
+    "127.0.0.1:0",
+    "--metrics-bind-address",
+    "127.0.0.1:0",
+)
+"""`kube-userspace-proxy run` flags for a proxy on loopback: no rules, ephemeral ops ports."""
+
+
 def loopback_config(manifests: Path, **overrides: Any) -> ProxyConfig:
     values: dict[str, Any] = {
         "bind_address": "127.0.0.1",

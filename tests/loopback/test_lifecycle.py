@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import cast
 
-from tests.loopback.proxyrun import endpoint_slice, service, write_manifests
+from tests.loopback.proxyrun import LOOPBACK_RUN_FLAGS, endpoint_slice, service, write_manifests
 
 CLI = [sys.executable, "-m", "kube_userspace_proxy"]
 
@@ -85,14 +85,7 @@ async def test_sigterm_lets_a_transfer_in_flight_finish_and_exits_0(tmp_path: Pa
             "run",
             "--manifests",
             str(manifest),
-            "--bind-address",
-            "127.0.0.1",
-            "--iptables-backend",
-            "none",
-            "--healthz-bind-address",
-            "127.0.0.1:0",
-            "--metrics-bind-address",
-            "127.0.0.1:0",
+            *LOOPBACK_RUN_FLAGS,
             "--shutdown-grace",
             "10s",
             "--state-dir",

@@ -25,6 +25,7 @@ from kube_userspace_proxy.dataplane.steering import worker_of
 from kube_userspace_proxy.metrics import sample_value
 from kube_userspace_proxy.model import Protocol, ServicePortName
 from tests.loopback.proxyrun import (
+    LOOPBACK_RUN_FLAGS,
     endpoint_slice,
     loopback_config,
     running_proxy,
@@ -361,14 +362,7 @@ async def test_a_worker_that_cannot_start_is_a_clear_error(
         "run",
         "--manifests",
         str(manifest),
-        "--bind-address",
-        "127.0.0.1",
-        "--iptables-backend",
-        "none",
-        "--healthz-bind-address",
-        "127.0.0.1:0",
-        "--metrics-bind-address",
-        "127.0.0.1:0",
+        *LOOPBACK_RUN_FLAGS,
         "--workers",
         "2",
         "--state-dir",
