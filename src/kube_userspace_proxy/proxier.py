@@ -187,8 +187,10 @@ class Proxier:
         self._budget = budget or DescriptorBudget()
         # Service ports refused because the descriptor budget is spent.
         self._over_budget: set[ServicePortName] = set()
-        # The rule targets and node IPs of the last successful apply.
-        self._applied: tuple[list[ProxiedPort], tuple[str, ...]] | None = None
+        # A rule target changed since the last successful apply (a service port came, went,
+        # or its info changed); and the node IPs that apply used.
+        self._rules_dirty = True
+        self._applied_node_ips: tuple[str, ...] | None = None
         self.rule_applies = 0
         """Rule sets handed to the portals (a sync that changes no rule target hands none)."""
         self._portals = portals
@@ -289,16 +291,16 @@ class Proxier:
             )
         releasable, self._quarantine = self._quarantine, []
         if self._portals is not None:
-            ports = self.proxied_ports()
-            wanted = (ports, snapshot.node_ips)
-            if full or releasable or wanted != self._applied:
-                self._applied = None
+            node_ips = snapshot.node_ips
+            if full or releasable or self._rules_dirty or node_ips != self._applied_node_ips:
+                self._rules_dirty = True  # until an apply succeeds
                 try:
-                    await asyncio.to_thread(self._portals.apply, ports, snapshot.node_ips)
+                    await asyncio.to_thread(self._portals.apply, self.proxied_ports(), node_ips)
                 except BaseException:
                     self._quarantine = releasable + self._quarantine
                     raise
-                self._applied = wanted
+                self._rules_dirty = False
+                self._applied_node_ips = node_ips
                 self.rule_applies += 1
         for protocol, port in releasable:
             self._allocator.release(protocol, port)
@@ -313,6 +315,9 @@ class Proxier:
         new = served is None
         if served is None:
             served = _Served(info=info, stats=ConnStats(), pools={})
+            self._rules_dirty = True
+        elif served.info is not info:
+            self._rules_dirty = True  # the rules are rendered from the info
         served.info = info
         fresh: list[tuple[Path, Listener]] = []
         try:
@@ -495,6 +500,7 @@ class Proxier:
         """Close the listener of `path`; its port stays out of use until no rule names it."""
         listener = served.listeners.pop(path)
         served.pools.pop(path, None)
+        self._rules_dirty = True
         self._close_later(listener)
         # Rules still send this port's traffic here until the next commit: handing the port
         # to another service port before then would deliver one Service's clients to another.

@@ -66,6 +66,8 @@ class ClusterState:
         self._sctp_warned: set[ServicePortName] = set()
         self._problems_warned: dict[Key, tuple[str, ...]] = {}
         self._listed: set[Kind] = set()
+        # A list in progress, per kind: the keys it named so far and its change count.
+        self._listing: dict[Kind, tuple[set[Key], list[int]]] = {}
         self._trigger_times: list[float] = []
         self._node_ips: tuple[str, ...] = ()
         self._node_eligible = True
@@ -93,19 +95,43 @@ class ClusterState:
 
     def replace(self, kind: Kind, objects: Iterable[Mapping[str, Any]]) -> None:
         """Take the complete list of one kind (list, relist, manifest reload)."""
+        self.begin_list(kind)
+        self.list_page(kind, objects)
+        self.end_list(kind)
+
+    def begin_list(self, kind: Kind) -> None:
+        """A complete list of `kind` follows, page by page (`list_page`, then `end_list`).
+
+        Each page is parsed into the state as it arrives, so no list of raw pages is held;
+        what the list did not name is removed at `end_list`. Beginning again forgets the
+        pages seen so far (a list restarted after its continue token expired).
+        """
         if kind not in ("Service", "EndpointSlice"):
             log.warning("ignoring a list of unknown kind %r", kind)
             return
-        first = kind not in self._listed
-        self._listed.add(kind)
-        seen: set[Key] = set()
-        changes = 0
+        self._listing[kind] = (set(), [0])
+
+    def list_page(self, kind: Kind, objects: Iterable[Mapping[str, Any]]) -> None:
+        """One page of the list begun with `begin_list`."""
+        listing = self._listing.get(kind)
+        if listing is None:
+            return
+        seen, changes = listing
         for obj in objects:
             key = self._key(kind, obj)
             if key is None:
                 continue
             seen.add(key)
-            changes += self._upsert(kind, key, obj)
+            changes[0] += self._upsert(kind, key, obj)
+
+    def end_list(self, kind: Kind) -> None:
+        """The list is complete: remove what it did not name, then tell `on_change`."""
+        listing = self._listing.pop(kind, None)
+        if listing is None:
+            return
+        seen, (changes,) = listing
+        first = kind not in self._listed
+        self._listed.add(kind)
         known = self._services if kind == "Service" else self._slices
         for key in [k for k in known if k not in seen]:
             changes += self._remove(kind, key)

@@ -38,6 +38,7 @@ from kube_userspace_proxy.sources.retry import (
     parse_retry_after,
 )
 from kube_userspace_proxy.state import ClusterState, Event
+from kube_userspace_proxy.state import Kind as ListedKind
 
 log = logs.get(__name__)
 
@@ -453,8 +454,15 @@ class KubeSource:
         return listed_at + self._relist_period - time.monotonic()
 
     async def _list(self, res: _Resource) -> str:
-        """List every page, then hand the whole kind to the state; returns the list version."""
-        items: list[Mapping[str, Any]] = []
+        """List every page into the state as it arrives; returns the list version.
+
+        Pages are parsed and applied one by one (no list of raw pages is held); the state
+        drops what the whole list did not name at the end.
+        """
+        node: list[Mapping[str, Any]] = []
+        kind: ListedKind | None = None if res.kind == "Node" else res.kind
+        if kind is not None:
+            self._state.begin_list(kind)
         token: str | None = None
         while True:
             await self._limiter.acquire()
@@ -467,9 +475,16 @@ class KubeSource:
                 if token is None:
                     raise
                 log.info("%s list continue token expired; listing again", res.kind)
-                items, token = [], None
+                token = None
+                if kind is not None:
+                    self._state.begin_list(kind)
                 continue
-            items.extend(self._list_items(res, body))
+            items = self._list_items(res, body)
+            if kind is not None:
+                self._state.list_page(kind, items)
+            else:
+                node.extend(items)
+            body.pop("items", None)  # only this page's parsed state stays
             meta = body.get("metadata")
             if not isinstance(meta, dict):
                 raise BadData(f"list metadata is {_json_type(meta)}, not an object")
@@ -481,11 +496,11 @@ class KubeSource:
         version = meta.get("resourceVersion")
         if not isinstance(version, str) or not version:
             raise BadData(f"list metadata.resourceVersion is {_json_type(version)}, not a version")
-        if res.kind == "Node":
-            self._state.set_node(items[0] if items else None)
+        if kind is not None:
+            self._state.end_list(kind)
         else:
-            self._state.replace(res.kind, items)
-        log.debug("%s listed: %d objects at version %s", res.kind, len(items), version)
+            self._state.set_node(node[0] if node else None)
+        log.debug("%s listed at version %s", res.kind, version)
         return version
 
     def _list_items(self, res: _Resource, body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
