@@ -1,0 +1,624 @@
+"""The proxy at scale, end to end: N Services from the API-server fake to ClusterIPs answering.
+
+For each scenario (by default 1,000 and 10,000 Services with 3 endpoints each, and 10,000
+with 5), in the integration tests' network namespaces (`tests/integration/netns.py`: a node,
+a client and three pods, named with this pid, deleted afterwards):
+
+- the in-repo API-server fake (`tests/fakes/apiserver.py`) runs in the node namespace, in the
+  driver process, holding N Services (one TCP port, a ClusterIP each) and their EndpointSlices;
+- the real proxy (`kube-userspace-proxy run --kubeconfig ...`, iptables-restore backend, the
+  default sync periods) starts in the node namespace;
+- the driver, also in the node namespace, sends traffic from the node to the ClusterIPs (the
+  node's own connections go through the nat OUTPUT rules, as in the issue's measurement).
+
+Reported per scenario: time from the proxy's start until every ClusterIP has answered;
+add-a-Service latency (a Service and its EndpointSlice created together, until its ClusterIP
+answers) and endpoint-move latency (a Service's only endpoint moved to another pod, until
+requests reach the new pod), p50 and p99 of `--changes` changes each; CPU of the idle proxy
+(periodic resyncs included) per minute; RSS and open descriptors of every proxy process; and,
+during a storm of `--storm-rate` endpoint changes per second, the p99 of a request every 10 ms
+through a ClusterIP (the data plane) and of `/livez` every 20 ms (the control process's event
+loop), each beside the same figure measured just before the storm.
+
+    sudo .venv/bin/python benchmarks/scale.py [--scenarios 1000x3,10000x3,10000x5]
+        [--changes 20] [--workers 1] [--quick]
+
+Writes benchmarks/results/scale.md, scale.json and scale.png (matplotlib, from the optional
+`bench` extra, installed when missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.testbed import (  # noqa: E402
+    cpu_model,
+    cpu_seconds,
+    install_missing,
+    memory_kib,
+    process_tree,
+    source_commit,
+)
+
+from tests.integration.netns import NODE_IP, POD_PORT, PODS, Topology, sh  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+PROXY = ROOT / ".venv" / "bin" / "kube-userspace-proxy"
+OPS = "127.0.0.1:10256"
+# Extra addresses on each pod's link, for scenarios with more endpoints than pods.
+EXTRA_ADDRESSES = 3
+
+
+def pod_addresses() -> list[tuple[str, str]]:
+    """(pod, address) of every address the pods answer on, the primary ones first."""
+    out = list(PODS.items())
+    for extra in range(1, EXTRA_ADDRESSES + 1):
+        for pod, ip in PODS.items():
+            out.append((pod, ip.rsplit(".", 1)[0] + f".{10 + extra}"))
+    return out
+
+
+def cluster_ip(i: int) -> str:
+    return f"10.96.{i // 250}.{i % 250 + 1}"
+
+
+def service(name: str, ip: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "clusterIP": ip,
+            "clusterIPs": [ip],
+            "ports": [{"name": "p", "port": 80, "targetPort": POD_PORT, "protocol": "TCP"}],
+        },
+    }
+
+
+def endpoint_slice(name: str, ips: list[str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{name}-x",
+            "namespace": "default",
+            "labels": {"kubernetes.io/service-name": name},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "p", "port": POD_PORT, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": True}} for ip in ips],
+    }
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+# ---- inside the node namespace -------------------------------------------------------------
+
+
+async def ask(ip: str, port: int = 80, within: float = 1.0) -> str | None:
+    """One request: the pod's name, or None (refused, timed out, reset)."""
+    try:
+        async with asyncio.timeout(within):
+            reader, writer = await asyncio.open_connection(ip, port)
+            try:
+                writer.write(b"x\n")
+                data = await reader.read(64)
+            finally:
+                writer.close()
+        return data.decode() or None
+    except (OSError, TimeoutError):
+        return None
+
+
+async def ops_get(path: str, within: float = 2.0) -> bool:
+    host, port = OPS.split(":")
+    try:
+        async with asyncio.timeout(within):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(f"GET {path} HTTP/1.0\r\n\r\n".encode())
+            data = await reader.read()
+            writer.close()
+        return data.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200"))
+    except (OSError, TimeoutError):
+        return False
+
+
+async def until_answers(ip: str, expect: str | None = None, deadline: float = 30.0) -> float | None:
+    """Seconds until `ip` answers (with `expect`, when given); None past the deadline.
+
+    A new attempt starts every 5 ms while earlier ones are in flight: a SYN sent before the
+    rules existed is lost for a second (its retransmission follows the same conntrack entry,
+    never NATed), so waiting for each attempt would measure the probe, not the proxy.
+    """
+    started = time.monotonic()
+    done = asyncio.Event()
+    first: list[float] = []
+    attempts: set[asyncio.Task[None]] = set()
+
+    async def attempt() -> None:
+        answer = await ask(ip, within=1.0)
+        if answer is not None and (expect is None or answer == expect) and not first:
+            first.append(time.monotonic() - started)
+            done.set()
+
+    while not done.is_set() and time.monotonic() - started < deadline:
+        task = asyncio.create_task(attempt())
+        attempts.add(task)
+        task.add_done_callback(attempts.discard)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), 0.005)
+    for task in list(attempts):
+        task.cancel()
+    return first[0] if first else None
+
+
+async def sweep(ips: list[str], started: float, deadline: float) -> tuple[float | None, int]:
+    """Seconds after `started` until every IP has answered once (None: some never did).
+
+    A sample of the IPs is polled first with overlapping attempts (an attempt made before
+    the rules exist is lost for a second); once they all answer, every IP is asked, and
+    those that do not answer are asked again.
+    """
+    sample = ips[:: max(1, len(ips) // 20)] + ips[-1:]
+    for ip in sample:
+        left = deadline - (time.monotonic() - started)
+        if left <= 0 or await until_answers(ip, deadline=left) is None:
+            return None, len(ips)
+    pending = set(ips)
+    last = None
+    gate = asyncio.Semaphore(512)
+
+    async def one(ip: str) -> None:
+        nonlocal last
+        async with gate:
+            if await ask(ip, within=2.0) is not None:
+                pending.discard(ip)
+                last = time.monotonic() - started
+
+    while pending and time.monotonic() - started < deadline:
+        await asyncio.gather(*(one(ip) for ip in list(pending)))
+    return (last if not pending else None), len(pending)
+
+
+def proxy_processes(pid: int) -> list[dict[str, Any]]:
+    """RSS (MiB) and open descriptors of the proxy and each of its workers."""
+    out = []
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError):
+            rss, _ = memory_kib(p)
+            out.append({"pid": p, "rss_mib": rss / 1024, "fds": len(os.listdir(f"/proc/{p}/fd"))})
+    return out
+
+
+def tree_cpu(pid: int) -> float:
+    total = 0.0
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(p)
+    return total
+
+
+async def storm(
+    fake: Any, names: list[str], addresses: list[str], rate: int, seconds: float
+) -> int:
+    """`rate` endpoint changes per second for `seconds`: one endpoint of a Service moves."""
+    changes = 0
+    started = time.monotonic()
+    rng = random.Random(7)
+    while (elapsed := time.monotonic() - started) < seconds:
+        due = int(elapsed * rate) - changes
+        for _ in range(due):
+            name = rng.choice(names)
+            current = fake.get("EndpointSlice", f"{name}-x")
+            if current is None:
+                continue
+            current["endpoints"][-1]["addresses"] = [rng.choice(addresses)]
+            fake.update(current)
+            changes += 1
+        await asyncio.sleep(0.005)
+    return changes
+
+
+async def probe_loop(stop: asyncio.Event, interval: float, fn: Any) -> tuple[list[float], int]:
+    """Run `fn` every `interval` until `stop`; (latencies of successes, failures)."""
+    latencies: list[float] = []
+    failures = 0
+    while not stop.is_set():
+        started = time.perf_counter()
+        ok = await fn()
+        if ok:
+            latencies.append(time.perf_counter() - started)
+        else:
+            failures += 1
+        await asyncio.sleep(max(0.0, interval - (time.perf_counter() - started)))
+    return latencies, failures
+
+
+async def probe(seconds: float) -> dict[str, Any]:
+    """A request through a ClusterIP every 10 ms and /livez every 20 ms, for `seconds`."""
+
+    async def request() -> bool:
+        return await ask(cluster_ip(0), within=2.0) is not None
+
+    async def livez() -> bool:
+        return await ops_get("/livez")
+
+    stop = asyncio.Event()
+    data = asyncio.create_task(probe_loop(stop, 0.01, request))
+    control = asyncio.create_task(probe_loop(stop, 0.02, livez))
+    await asyncio.sleep(seconds)
+    stop.set()
+    (lat, fail), (clat, cfail) = await data, await control
+    return {
+        "request_p50_ms": 1000 * quantile(lat, 0.5),
+        "request_p99_ms": 1000 * quantile(lat, 0.99),
+        "request_max_ms": 1000 * max(lat, default=float("nan")),
+        "request_failures": fail,
+        "livez_p50_ms": 1000 * quantile(clat, 0.5),
+        "livez_p99_ms": 1000 * quantile(clat, 0.99),
+        "livez_max_ms": 1000 * max(clat, default=float("nan")),
+        "livez_failures": cfail,
+    }
+
+
+async def scenario(args: argparse.Namespace) -> dict[str, Any]:
+    from tests.fakes.apiserver import FakeApiServer
+
+    n, per = args.services, args.endpoints
+    tmp = Path(args.tmp)
+    addresses = [ip for _, ip in pod_addresses()]
+    fake = FakeApiServer(history_limit=50_000)
+    await fake.start()
+    names = [f"svc-{i}" for i in range(n)]
+    for i, name in enumerate(names):
+        fake.create(service(name, cluster_ip(i)))
+        fake.create(endpoint_slice(name, [addresses[(i + k) % len(addresses)] for k in range(per)]))
+    # The endpoint-move probe: one endpoint, moved between pods.
+    pods = list(PODS.items())
+    fake.create(service("mover", "10.96.240.1"))
+    fake.create(endpoint_slice("mover", [pods[0][1]]))
+    kubeconfig = fake.write_kubeconfig(tmp / "kubeconfig")
+    log = (tmp / f"proxy-{n}x{per}.log").open("wb")  # closed in the finally below
+    command = [
+        str(PROXY),
+        "run",
+        "--kubeconfig",
+        str(kubeconfig),
+        "--hostname-override",
+        "node",
+        "--node-ip",
+        NODE_IP,
+        "--iptables-backend",
+        "restore",
+        "--workers",
+        args.workers,
+        "--healthz-bind-address",
+        OPS,
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+        "--kube-api-qps",
+        "0",
+    ]
+    started = time.monotonic()
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)  # noqa: ASYNC220
+    result: dict[str, Any] = {"services": n, "endpoints": per, "workers": args.workers}
+    try:
+        ips = [cluster_ip(i) for i in range(n)] + ["10.96.240.1"]
+        all_answer, missing = await sweep(ips, started, deadline=args.start_deadline)
+        result["all_answering_s"] = all_answer
+        result["unanswered"] = missing
+        await asyncio.sleep(3)  # settle: the first syncs' leftovers
+
+        # Idle: CPU over a window that holds periodic resyncs (--iptables-sync-period 30s).
+        cpu0, t0 = tree_cpu(proc.pid), time.monotonic()
+        await asyncio.sleep(args.idle)
+        cpu1, t1 = tree_cpu(proc.pid), time.monotonic()
+        result["idle_cpu_percent"] = 100 * (cpu1 - cpu0) / (t1 - t0)
+        result["idle_cpu_s_per_min"] = 60 * (cpu1 - cpu0) / (t1 - t0)
+        result["processes"] = proxy_processes(proc.pid)
+        result["rss_mib"] = sum(p["rss_mib"] for p in result["processes"])
+        result["fds_max"] = max(p["fds"] for p in result["processes"])
+
+        # Add a Service: the Service and its slice created together.
+        adds: list[float] = []
+        for k in range(args.changes):
+            name, ip = f"new-{k}", f"10.96.241.{k + 1}"
+            await asyncio.sleep(args.spacing)
+            fake.create(service(name, ip))
+            fake.create(endpoint_slice(name, [pods[k % len(pods)][1]]))
+            took = await until_answers(ip, deadline=10)
+            adds.append(took if took is not None else float("inf"))
+        result["add_service_ms"] = {
+            "p50": 1000 * quantile(adds, 0.5),
+            "p99": 1000 * quantile(adds, 0.99),
+            "samples": [round(1000 * a, 1) for a in adds],
+        }
+
+        # Move an endpoint: the mover's only endpoint goes to the next pod.
+        moves: list[float] = []
+        for k in range(args.changes):
+            await asyncio.sleep(args.spacing)
+            pod, ip = pods[(k + 1) % len(pods)]
+            current = fake.get("EndpointSlice", "mover-x")
+            assert current is not None
+            current["endpoints"] = [{"addresses": [ip], "conditions": {"ready": True}}]
+            fake.update(current)
+            took = await until_answers("10.96.240.1", expect=pod, deadline=10)
+            moves.append(took if took is not None else float("inf"))
+        result["move_endpoint_ms"] = {
+            "p50": 1000 * quantile(moves, 0.5),
+            "p99": 1000 * quantile(moves, 0.99),
+            "samples": [round(1000 * m, 1) for m in moves],
+        }
+
+        # A storm of endpoint changes while traffic flows; the same probes just before it.
+        # The probes run in a process of their own: this one is the busy API server.
+        phases: dict[str, Any] = {}
+        for phase in ("before", "storm"):
+            probes = await asyncio.create_subprocess_exec(
+                sys.executable,
+                __file__,
+                "--probe",
+                str(args.storm),
+                stdout=asyncio.subprocess.PIPE,
+            )
+            cpu0 = tree_cpu(proc.pid)
+            if phase == "storm":
+                phases["changes"] = await storm(fake, names, addresses, args.storm_rate, args.storm)
+            out, _ = await probes.communicate()
+            cpu = 100 * (tree_cpu(proc.pid) - cpu0) / args.storm
+            phases[phase] = {**json.loads(out), "cpu_percent": cpu}
+        result["storm"] = phases
+        result["processes_after"] = proxy_processes(proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        await fake.stop()
+    return result
+
+
+# ---- the outer driver (root namespace: creates and deletes the namespaces) -----------------
+
+
+def run_scenario(topo: Topology, tmp: Path, spec: str, args: argparse.Namespace) -> dict[str, Any]:
+    n, per = (int(x) for x in spec.split("x"))
+    inner = [
+        sys.executable,
+        __file__,
+        "--inside",
+        "--services",
+        str(n),
+        "--endpoints",
+        str(per),
+        "--tmp",
+        str(tmp),
+        "--changes",
+        str(args.changes),
+        "--spacing",
+        str(args.spacing),
+        "--idle",
+        str(args.idle),
+        "--storm",
+        str(args.storm),
+        "--storm-rate",
+        str(args.storm_rate),
+        "--start-deadline",
+        str(args.start_deadline),
+        "--workers",
+        args.workers,
+    ]
+    done = subprocess.run(
+        ["ip", "netns", "exec", topo.node.name, *inner],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"scenario {spec} failed:\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    # The next scenario starts from empty tables, as a fresh node would.
+    topo.node.run(str(PROXY), "cleanup", check=False)
+    return result
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    def fmt(value: Any, unit: str = "", digits: int = 0) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "—"
+        if isinstance(value, float) and value == float("inf"):
+            return "timeout"
+        return f"{value:,.{digits}f}{unit}"
+
+    head = "| figure | target at 10,000 | " + " | ".join(
+        f"{r['services']:,} x {r['endpoints']} endpoints" for r in results
+    )
+    lines = [head + " |", "|---|---|" + "---:|" * len(results)]
+
+    def at(*keys: str) -> Any:
+        def get(r: dict[str, Any]) -> Any:
+            for key in keys:
+                r = r[key]
+            return r
+
+        return get
+
+    rows: list[tuple[str, str, Any, str, int]] = [
+        ("all ClusterIPs answering after start", "≤ 5 s", at("all_answering_s"), " s", 1),
+        ("RSS (all proxy processes)", "≤ 250 MB", at("rss_mib"), " MiB", 0),
+        ("open descriptors (largest process)", "≤ 10,100", at("fds_max"), "", 0),
+        ("add a Service, p50", "≤ 100 ms", at("add_service_ms", "p50"), " ms", 0),
+        ("add a Service, p99", "", at("add_service_ms", "p99"), " ms", 0),
+        ("move an endpoint, p50", "≤ 50 ms", at("move_endpoint_ms", "p50"), " ms", 0),
+        ("move an endpoint, p99", "", at("move_endpoint_ms", "p99"), " ms", 0),
+        ("idle CPU (resyncs included)", "≤ 1 % of a core", at("idle_cpu_percent"), " %", 2),
+        ("idle CPU per minute", "", at("idle_cpu_s_per_min"), " s", 2),
+        ("request p99, before the storm", "", at("storm", "before", "request_p99_ms"), " ms", 1),
+        ("request p99, during the storm", "", at("storm", "storm", "request_p99_ms"), " ms", 1),
+        ("/livez p99, before the storm", "", at("storm", "before", "livez_p99_ms"), " ms", 1),
+        (
+            "/livez p99, during the storm (control loop)",
+            "≤ 20 ms (loop lag p99)",
+            at("storm", "storm", "livez_p99_ms"),
+            " ms",
+            1,
+        ),
+        ("endpoint changes made in the storm", "", at("storm", "changes"), "", 0),
+        ("proxy CPU during the storm", "", at("storm", "storm", "cpu_percent"), " %", 0),
+    ]
+    for label, target, get, unit, digits in rows:
+        cells = " | ".join(
+            fmt(float(get(r)) if get(r) is not None else None, unit, digits) for r in results
+        )
+        lines.append(f"| {label} | {target} | {cells} |")
+    return "\n".join(lines)
+
+
+def chart(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['services']:,}x{r['endpoints']}" for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    series = [
+        ("latency (ms)", [("add Service p50", "add_service_ms", "p50"),
+                          ("add Service p99", "add_service_ms", "p99"),
+                          ("move endpoint p50", "move_endpoint_ms", "p50"),
+                          ("move endpoint p99", "move_endpoint_ms", "p99")]),
+    ]  # fmt: skip
+    ax = axes[0]
+    width = 0.2
+    for k, (name, key, q) in enumerate(series[0][1]):
+        values = [min(r[key][q], 10_000) for r in results]
+        ax.bar([i + k * width for i in range(len(results))], values, width, label=name)
+    ax.set_xticks([i + 1.5 * width for i in range(len(results))], labels)
+    ax.set_ylabel("ms")
+    ax.set_title("change latency")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    ax.bar(labels, [r["all_answering_s"] or 0 for r in results], color="tab:green")
+    ax.axhline(5, color="red", linestyle="--", linewidth=1, label="target at 10,000")
+    ax.set_ylabel("s")
+    ax.set_title("all ClusterIPs answering after start")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    for k, (name, phase, key) in enumerate(
+        [
+            ("request p99, before", "before", "request_p99_ms"),
+            ("request p99, storm", "storm", "request_p99_ms"),
+            ("/livez p99, before", "before", "livez_p99_ms"),
+            ("/livez p99, storm", "storm", "livez_p99_ms"),
+        ]
+    ):
+        values = [r["storm"][phase][key] for r in results]
+        ax.bar([i + k * width for i in range(len(results))], values, width, label=name)
+    ax.set_xticks([i + 1.5 * width for i in range(len(results))], labels)
+    ax.set_ylabel("ms")
+    ax.set_title("latency under an endpoint-change storm")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenarios", default="1000x3,10000x3,10000x5")
+    parser.add_argument("--changes", type=int, default=20, help="samples per latency figure")
+    parser.add_argument("--spacing", type=float, default=2.2, help="seconds between changes")
+    parser.add_argument("--idle", type=float, default=62.0, help="idle CPU window, seconds")
+    parser.add_argument("--storm", type=float, default=10.0, help="storm length, seconds")
+    parser.add_argument("--storm-rate", type=int, default=1000, help="endpoint changes/s")
+    parser.add_argument("--start-deadline", type=float, default=180.0)
+    parser.add_argument("--workers", default="1", help="the proxy's --workers")
+    parser.add_argument("--quick", action="store_true", help="1,000 only, 5 changes, short")
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--services", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--endpoints", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--tmp", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.probe:
+        import uvloop
+
+        print(json.dumps(uvloop.run(probe(args.probe))))
+        return 0
+    if args.inside:
+        import uvloop
+
+        print(json.dumps(uvloop.run(scenario(args))))
+        return 0
+    if os.geteuid() != 0:
+        print("needs root (it creates network namespaces)", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.scenarios, args.changes, args.idle, args.storm = "1000x3", 5, 10.0, 3.0
+    missing = install_missing({}, extra="bench")
+    if missing:
+        print(f"charts skipped: {missing}", file=sys.stderr)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kup-scale-") as tmpdir:
+        tmp = Path(tmpdir)
+        topo = Topology.create(tmp)
+        try:
+            for pod, ip in pod_addresses()[len(PODS) :]:
+                topo.pods[pod].ip("addr", "add", f"{ip}/24", "dev", "eth0")
+            # The node's ephemeral ports (the probes' and the kernel-chosen proxy ports).
+            topo.node.run("sysctl", "-qw", "net.ipv4.ip_local_port_range=20000 65000")
+            topo.node.run("sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1")
+            for spec in args.scenarios.split(","):
+                print(f"scenario {spec} ...", file=sys.stderr, flush=True)
+                results.append(run_scenario(topo, tmp, spec, args))
+                print(json.dumps(results[-1])[:2000], file=sys.stderr, flush=True)
+        finally:
+            topo.destroy()
+            sh("true")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "machine": f"{os.cpu_count()} x {cpu_model()}",
+        "commit": source_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "workers": args.workers,
+    }
+    text = (
+        f"# Scale: {', '.join(args.scenarios.split(','))}\n\n"
+        f"{meta['machine']}; commit {meta['commit']}; {meta['date']}; `--workers {args.workers}`,"
+        f" iptables-restore (nft) backend, default sync periods; {args.changes} changes per"
+        f" latency figure; storm {args.storm_rate}/s for {args.storm:.0f} s.\n\n"
+        + table(results)
+        + "\n"
+    )
+    (RESULTS / "scale.md").write_text(text)
+    (RESULTS / "scale.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    if not missing:
+        chart(results, RESULTS / "scale.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
