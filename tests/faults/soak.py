@@ -231,6 +231,26 @@ async def run(
             for name in STABLE:
                 apiserver.apply(endpoint_slice(f"{name}-a", name, ips, port=backend_port))
 
+        async def dropped(ip: str, timeout: float = 30.0) -> bool:
+            """True once no stable Service lists `ip` in the proxy's /debug/state."""
+            deadline = time.monotonic() + timeout
+            while not stop.is_set() and time.monotonic() < deadline:
+                with contextlib.suppress(OSError, ValueError):
+                    state = await asyncio.to_thread(
+                        _get_json, f"http://127.0.0.1:{metrics_port}/debug/state"
+                    )
+                    listed = [
+                        address
+                        for name in STABLE
+                        for address in (state.get(f"default/{name}:http") or {})
+                        .get("endpoints", {})
+                        .get("cluster", [])
+                    ]
+                    if not any(address.startswith(f"{ip}:") for address in listed):
+                        return True
+                await asyncio.sleep(0.1)
+            return False
+
         async def kill_backends() -> None:
             # As Kubernetes deletes a pod: its endpoint leaves the slices first, then the
             # process dies (SIGKILL: its listening socket is simply gone), later a new one
@@ -243,7 +263,10 @@ async def run(
                 if not apiserver.running:
                     continue
                 publish(tuple(i for i in BACKEND_IPS if i != ip))
-                await asyncio.sleep(1.0)  # the proxy's sync (min-sync-period 100 ms) and margin
+                # Killed only once the proxy has dropped it (a watch cut by an API-server
+                # restart may deliver the change seconds later, after a relist).
+                if not await dropped(ip):
+                    continue
                 await backends.kill(ip)
                 result.backend_kills += 1
                 await asyncio.sleep(backend_kill_every / 2)
