@@ -397,6 +397,9 @@ async def serve(
         asyncio.create_task(proxy.runner.loop(), name="sync"),
         asyncio.create_task(proxy.health.heartbeat(), name="heartbeat"),  # for /livez
     ]
+    if proxy.workers is not None:  # their loops count for /livez too
+        proxy.health.watch_loops(proxy.workers.stalest_answer)
+        tasks.append(asyncio.create_task(proxy.workers.heartbeat(), name="worker-heartbeat"))
     if started is not None:
         result = started(proxy)
         if asyncio.iscoroutine(result):

@@ -6,10 +6,11 @@ being deleted or tainted `ToBeDeletedByClusterAutoscaler`, so that cloud load ba
 sending traffic to a node about to go.
 
 `/livez` differs from kube-proxy's on purpose: it reports only whether the process and its
-event loop are alive (a heartbeat task beats every second; 503 once no beat came for
-`LOOP_STALL_SECONDS`). A rules-sync failure never fails it: the data plane of a proxy whose
-iptables runs fail still carries every Service already programmed, and a kubelet restart
-would cut those connections without fixing iptables. `/healthz` and
+event loops are alive (a heartbeat task beats every second, and each worker process answers a
+ping every second; 503 once one of them missed `LOOP_STALL_SECONDS`). A rules-sync failure
+never fails it: the data plane of a proxy whose iptables runs fail still carries every Service
+already programmed, and a kubelet restart would cut those connections without fixing
+iptables. `/healthz` and
 `kubeproxy_sync_proxy_rules_iptables_restore_failures_total` show that failure instead.
 """
 
@@ -67,6 +68,7 @@ class ProxyHealth:
         # Eligible until the first node event says otherwise (kube-proxy does the same).
         self._node_eligible = True
         self._last_beat: float | None = None  # None: no heartbeat task runs (yet)
+        self._other_loops: Callable[[], float] | None = None
 
     @property
     def timeout(self) -> float:
@@ -96,6 +98,11 @@ class ProxyHealth:
         """False while our Node is being deleted or tainted ToBeDeletedByClusterAutoscaler."""
         self._node_eligible = eligible
 
+    def watch_loops(self, stalest: Callable[[], float]) -> None:
+        """Also require other event loops (the workers'): `stalest()` is the seconds since
+        the slowest of them last answered."""
+        self._other_loops = stalest
+
     def beat(self) -> None:
         """The event loop ran the heartbeat: it is alive now."""
         self._last_beat = self._clock()
@@ -108,6 +115,8 @@ class ProxyHealth:
 
     def is_alive(self) -> bool:
         """False when the event loop missed its heartbeat for `LOOP_STALL_SECONDS`."""
+        if self._other_loops is not None and self._other_loops() > LOOP_STALL_SECONDS:
+            return False
         if self._last_beat is None:
             return True
         return self._clock() - self._last_beat <= LOOP_STALL_SECONDS

@@ -94,6 +94,8 @@ class Worker:
             kind = message[0]
             if kind == "table":
                 await self.apply(*message[1:])
+            elif kind == "ping":  # the control process checks that this loop runs
+                channel.send(self._writer, ("pong", message[1], self.index))
             elif kind == "become":  # a spare takes the slot of a worker that died
                 self.index = message[1]
             elif kind == "steer":

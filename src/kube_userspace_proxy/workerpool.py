@@ -110,6 +110,7 @@ class _Worker:
     watcher: asyncio.Task[None] | None = None
     ready: bool = True
     started: float = 0.0
+    answered: float = 0.0  # when its loop last answered a ping (monotonic)
 
 
 SPARE = -2
@@ -217,6 +218,18 @@ class WorkerPool:
         pool_id = self._pool_ids.get(pool)
         return self._affinity.get(pool_id, (0, [])) if pool_id is not None else (0, [])
 
+    async def heartbeat(self, interval: float = 1.0) -> None:
+        """Ping every worker's event loop each `interval` seconds (a root task)."""
+        for seq in itertools.count():
+            for worker in self._live():
+                channel.send(worker.writer, ("ping", seq))
+            await asyncio.sleep(interval)
+
+    def stalest_answer(self) -> float:
+        """Seconds since the worker whose event loop answered longest ago last answered."""
+        now = time.monotonic()
+        return max((now - w.answered for w in self._live()), default=0.0)
+
     def members(self, key: Key) -> tuple[int, ...]:
         """The reuseport group of `key` as tracked: worker numbers in the kernel's order."""
         return tuple(self._groups.get(key, ()))
@@ -311,7 +324,7 @@ class WorkerPool:
             raise ProxyError(
                 f"{what} could not start (exit code {code}): {why}; see its log lines above"
             ) from None
-        worker.started = time.monotonic()
+        worker.started = worker.answered = time.monotonic()
         worker.ready = True
         log.info("%s started (pid %d)", what, hello[2])
         worker.reader_task = asyncio.create_task(self._read(worker, reader), name=f"{what} channel")
@@ -426,6 +439,9 @@ class WorkerPool:
             except (asyncio.IncompleteReadError, ConnectionError, ValueError):
                 return
             kind = message[0]
+            if kind == "pong":
+                worker.answered = time.monotonic()
+                continue
             if kind == "penalty":
                 # One worker saw a dial fail: the others skip that endpoint too.
                 for other in self._live():

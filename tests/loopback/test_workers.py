@@ -374,3 +374,33 @@ async def test_a_worker_that_cannot_start_is_a_clear_error(
     text = stderr.decode()
     assert process.returncode == 1, text
     assert "worker 0 could not start (exit code 3)" in text, text
+
+
+@pytest.mark.timeout(60)
+async def test_a_stalled_worker_loop_fails_livez_until_it_runs_again(
+    proxy_with_workers: app.Proxy,
+) -> None:
+    proxy = proxy_with_workers
+    pool, ops = proxy.workers, proxy.ops
+    assert pool is not None and ops is not None and ops.healthz_port is not None
+    url = f"http://127.0.0.1:{ops.healthz_port}/livez"
+
+    async def livez() -> int:
+        async with aiohttp.ClientSession() as http, http.get(url) as response:
+            return response.status
+
+    assert await livez() == 200
+    stalled = pool.pids()[0]
+    os.kill(stalled, signal.SIGSTOP)  # its event loop stops answering pings
+    try:
+        deadline = time.monotonic() + 20
+        while await livez() == 200:
+            assert time.monotonic() < deadline, "/livez never noticed the stalled worker"
+            await asyncio.sleep(0.5)
+    finally:
+        os.kill(stalled, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while await livez() != 200:
+        assert time.monotonic() < deadline, "/livez never recovered"
+        await asyncio.sleep(0.2)
+    assert pool.pids()[0] == stalled  # the same process, running again
