@@ -302,6 +302,8 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
         "run",
         "--kubeconfig",
         str(kubeconfig),
+        "--state-dir",
+        str(tmp / f"state-{n}x{per}"),
         "--hostname-override",
         "node",
         "--node-ip",

@@ -166,7 +166,7 @@ async def run(
         "--iptables-backend", "none", "--bind-address", "127.0.0.1", "--hostname-override",
         "node-1", "--healthz-bind-address", "", "--metrics-bind-address",
         f"127.0.0.1:{metrics_port}", "--loopback-endpoints", "allow", "--workers", "1",
-        "--iptables-min-sync-period", "100ms",
+        "--iptables-min-sync-period", "100ms", "--state-dir", str(tmp / "state"),
     ]  # fmt: skip
     out = open(log or os.devnull, "ab")  # noqa: SIM115 - closed in the finally below
     proc = await asyncio.create_subprocess_exec(*args, stdout=out, stderr=out)
