@@ -155,6 +155,7 @@ async def measure_traffic(
 
     backends = await start_named_backends([f"pod-{i}" for i in range(changes + 1)])
     config = ProxyConfig(
+        state_dir="",  # a benchmark leaves no state file on the node
         kubeconfig=kubeconfig,
         bind_address="127.0.0.1",
         iptables_backend="none",

@@ -142,6 +142,7 @@ async def main(ports: int, fetches: int) -> None:
         manifest = Path(tmp) / "services.yaml"
         manifest.write_text(yaml.safe_dump_all(manifests(ports)))
         config = ProxyConfig(
+            state_dir="",  # a benchmark leaves no state file on the node
             bind_address="127.0.0.1",
             manifests=(str(manifest),),
             iptables_backend="none",

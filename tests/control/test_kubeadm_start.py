@@ -57,6 +57,7 @@ async def test_kubeadm_configmap_starts_the_proxy_with_kube_proxys_values(
         "--iptables-backend=none",
         "--oom-score-adj=0",
         "--workers=1",
+        f"--state-dir={tmp_path / 'state'}",
     ]
     config = cli.parse_config(cli.make_parser().parse_args(["run", *argv]))
     async with running_proxy(config) as proxy, aiohttp.ClientSession() as http:
