@@ -159,3 +159,35 @@ def test_a_corrupt_or_foreign_state_file_is_ignored(tmp_path: Path) -> None:
     assert statefile.load(str(tmp_path), node_name=NODE) is None
     (tmp_path / statefile.FILE_NAME).write_text('{"kind": "Pod", "version": 1}')
     assert statefile.load(str(tmp_path), node_name=NODE) is None
+
+
+def test_the_state_file_reads_back_what_was_written(tmp_path: Path) -> None:
+    from types import MappingProxyType
+
+    from kube_userspace_proxy.model import Endpoint, Protocol, ServicePortInfo, ServicePortName
+    from kube_userspace_proxy.model import Snapshot as Snap
+
+    web = ServicePortName("default", "web", "http")
+    dns = ServicePortName("kube-system", "dns", "dns", Protocol.UDP)
+    services = {
+        web: ServicePortInfo(web, 80, ("10.96.0.10", "fd00::10"), node_port=30080),
+        dns: ServicePortInfo(dns, 53, ("10.96.0.53",), client_ip_affinity=True),
+    }
+    endpoints = {
+        web: (Endpoint("10.244.1.5", 8080, node_name=NODE), Endpoint("10.244.2.6", 8080)),
+        dns: (Endpoint("10.244.1.7", 53, ready=False, serving=True, terminating=True),),
+    }
+    snapshot = Snap(MappingProxyType(services), MappingProxyType(endpoints), NODE, ("192.0.2.10",))
+    ports = {
+        ("default/web:http", "TCP", "cluster"): 40001,
+        ("kube-system/dns:dns", "UDP", "cluster"): 40002,
+    }
+    statefile.save(str(tmp_path), snapshot, ports)
+    loaded = statefile.load(str(tmp_path), node_name=NODE)
+    assert loaded is not None
+    back, back_ports = loaded
+    assert dict(back.services) == services
+    assert dict(back.endpoints) == endpoints
+    assert back.node_ips == ("192.0.2.10",)
+    assert back_ports == ports
+    assert statefile.load(str(tmp_path), node_name="another-node") is None  # foreign: ignored
