@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -16,3 +18,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     if IN_CI and report.skipped and "integration" in item.keywords:
         report.outcome = "failed"
         report.longrepr = f"integration test skipped under CI=true: {report.longrepr}"
+
+
+@pytest.fixture
+def logged(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """Records of the package logger at DEBUG and above, even when logs.setup() stopped it
+    propagating (tests/control and the manifest tests narrow it to INFO)."""
+    logger = logging.getLogger("kube_userspace_proxy")
+    logger.addHandler(caplog.handler)
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+    logger.setLevel(old_level)

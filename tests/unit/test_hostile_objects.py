@@ -7,7 +7,6 @@ counter; the other Services (and the other addresses of the same object) are kep
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -39,17 +38,6 @@ FORBIDDEN_V6 = [
     ("::ffff:127.0.0.1", "loopback"),
     ("::ffff:169.254.169.254", "link-local"),
 ]
-
-
-@pytest.fixture
-def logged(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    logger = logging.getLogger("kube_userspace_proxy")
-    logger.addHandler(caplog.handler)
-    old_level = logger.level
-    logger.setLevel(logging.DEBUG)
-    yield caplog
-    logger.removeHandler(caplog.handler)
-    logger.setLevel(old_level)
 
 
 def metric(reason: str, field: str, kind: str) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,18 +14,6 @@ from kube_userspace_proxy.model import Endpoint, Protocol, ServicePortName, Snap
 from kube_userspace_proxy.state import ClusterState
 
 HTTP = ServicePortName("default", "web", "http", Protocol.TCP)
-
-
-@pytest.fixture
-def logged(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """Records of the package logger, even when logs.setup() stopped it propagating."""
-    logger = logging.getLogger("kube_userspace_proxy")
-    logger.addHandler(caplog.handler)
-    old_level = logger.level
-    logger.setLevel(logging.DEBUG)
-    yield caplog
-    logger.removeHandler(caplog.handler)
-    logger.setLevel(old_level)
 
 
 def lines(caplog: pytest.LogCaptureFixture, level: int = logging.INFO) -> list[str]:
