@@ -48,7 +48,7 @@ class DebugUi:
 
     def __init__(
         self,
-        debug_state: Callable[[], dict[str, Any]],
+        debug_state: Callable[[], Awaitable[dict[str, Any]]],
         collect: Callable[..., Awaitable[None]],
         rules: RuleSource | None,
     ) -> None:
@@ -77,7 +77,11 @@ class DebugUi:
                     for f, c, r, p, b in counted
                 ]
             )
-        return {"services": self._debug_state(), "rules": self._rules_cache, "time": time.time()}
+        return {
+            "services": await self._debug_state(),
+            "rules": self._rules_cache,
+            "time": time.time(),
+        }
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/debug/ui", self._page)

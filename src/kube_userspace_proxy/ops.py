@@ -11,10 +11,9 @@ import asyncio
 import errno
 import functools
 import ipaddress
-import itertools
 import json
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -37,8 +36,11 @@ DEFAULT_METRICS_PORT = 10249
 _NOSNIFF = {"X-Content-Type-Options": "nosniff"}
 _pretty = functools.partial(json.dumps, indent=2, sort_keys=True, default=str)
 
-StateSource = Callable[[], Mapping[str, Any] | Iterable[tuple[str, Any]]]
-"""A view for /debug/state: a mapping, or (key, value) pairs produced one at a time."""
+StateView = Mapping[str, Any] | Iterable[tuple[str, Any]] | AsyncIterable[tuple[str, Any]]
+"""A mapping, or (key, value) pairs produced one at a time (an async iterable may yield to
+the event loop between pairs, as `Proxier.debug_items` does while it sorts)."""
+StateSource = Callable[[], StateView]
+"""The view /debug/state streams (and /debug/ui shows)."""
 STATE_CHUNK = 25
 """Service ports /debug/state encodes between two yields to the event loop (~1 ms of work)."""
 
@@ -166,33 +168,41 @@ def _health_app(health: ProxyHealth, metrics: ProxyMetrics) -> web.Application:
     return app
 
 
-async def _stream_state(
-    request: web.Request, state: Mapping[str, Any] | Iterable[tuple[str, Any]]
-) -> web.StreamResponse:
+async def stream_state(request: web.Request, state: StateView) -> web.StreamResponse:
     """Write a JSON object a few entries at a time, yielding to the loop in between, so a
     large table (10,000 service ports) never holds the data plane up for long."""
     response = web.StreamResponse(
         headers={"Content-Type": "application/json; charset=utf-8", **_NOSNIFF}
     )
     await response.prepare(request)
-    items = _items(state)
     separator = "{\n"
-    while True:
-        parts = []
-        for key, value in itertools.islice(items, STATE_CHUNK):
-            parts.append(f"{separator}  {json.dumps(key)}: {_entry(value)}")
-            separator = ",\n"
-        if not parts:
-            break
+    parts = []
+    async for key, value in _pairs(state):
+        parts.append(f"{separator}  {json.dumps(key)}: {_entry(value)}")
+        separator = ",\n"
+        if len(parts) == STATE_CHUNK:
+            await response.write("".join(parts).encode())
+            parts = []
+            await asyncio.sleep(0)
+    if parts:
         await response.write("".join(parts).encode())
-        await asyncio.sleep(0)
     await response.write(b"{}\n" if separator == "{\n" else b"\n}\n")
     await response.write_eof()
     return response
 
 
-def _items(state: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    return iter(state.items() if isinstance(state, Mapping) else state)
+async def _pairs(state: StateView) -> AsyncIterator[tuple[str, Any]]:
+    """The (key, value) pairs of any form of view, one at a time."""
+    if isinstance(state, AsyncIterable):
+        async for pair in state:
+            yield pair
+    else:
+        for pair in state.items() if isinstance(state, Mapping) else state:
+            yield pair
+
+
+async def _as_dict(state: StateView) -> dict[str, Any]:
+    return {key: value async for key, value in _pairs(state)}
 
 
 # One line per entry: json's C encoder (indent= would take the pure-Python one, ~10x slower).
@@ -202,7 +212,7 @@ _entry = functools.partial(json.dumps, sort_keys=True, default=str)
 def _metrics_app(
     metrics: ProxyMetrics,
     debug_state: StateSource,
-    configz: StateSource,
+    configz: Callable[[], Mapping[str, Any]],
     collect: Collector,
     rules: RuleSource | None = None,
 ) -> web.Application:
@@ -230,7 +240,7 @@ def _metrics_app(
 
     async def state(request: web.Request) -> web.StreamResponse:
         await collect(debug=True)
-        return await _stream_state(request, debug_state())
+        return await stream_state(request, debug_state())
 
     app = web.Application()
     app.router.add_get("/metrics", scrape)
@@ -238,7 +248,7 @@ def _metrics_app(
     app.router.add_get("/healthz", ping)
     app.router.add_get("/configz", config)
     app.router.add_get("/debug/state", state)
-    DebugUi(lambda: dict(_items(debug_state())), collect, rules).add_routes(app)
+    DebugUi(lambda: _as_dict(debug_state()), collect, rules).add_routes(app)
     return app
 
 
@@ -249,7 +259,7 @@ async def start_ops(
     health: ProxyHealth,
     metrics: ProxyMetrics,
     debug_state: StateSource,
-    configz: StateSource,
+    configz: Callable[[], Mapping[str, Any]],
     collect: Collector = _nothing_to_collect,
     rules: RuleSource | None = None,
 ) -> OpsServer:

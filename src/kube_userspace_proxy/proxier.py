@@ -8,9 +8,10 @@ portals at once; none of those know each other. Every sync receives the complete
 from __future__ import annotations
 
 import asyncio
+import heapq
 import ipaddress
 import socket
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from typing import Protocol as TypingProtocol
@@ -571,17 +572,34 @@ class Proxier:
 
     def debug_state(self) -> dict[str, Any]:
         """JSON-able view: service port -> proxy ports -> endpoints, affinity, counters."""
-        return dict(self.debug_items())
+        return dict(self.debug_entries(sorted(self.debug_names(), key=by_name)))
 
-    def debug_items(self) -> Iterator[tuple[str, dict[str, Any]]]:
+    async def debug_items(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """`debug_state` one service port at a time, so a caller can yield to the loop between.
 
-        Service ports removed while it is consumed are left out; ClientIP pins are summarized.
+        The names are sorted a run at a time, yielding to the loop between runs: one sort of
+        10,000 names held the loop for 25-45 ms. Service ports removed while it is consumed
+        are left out; ClientIP pins are summarized.
         """
-        served_now = sorted(self._served.items(), key=_by_name)
-        errors = dict(self._errors)
-        for name, served in served_now:
-            if self._served.get(name) is not served:
+        for item in self.debug_entries(await sorted_in_runs(self.debug_names())):
+            yield item
+
+    def debug_names(self) -> list[ServicePortName]:
+        """The service ports the view shows, unsorted: those served and those that failed."""
+        names = list(self._served)
+        names += [name for name in self._errors if name not in self._served]
+        return names
+
+    def debug_entries(
+        self, names: Iterable[ServicePortName]
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The view of each of `names` in turn, as it is when reached (gone ones are skipped)."""
+        for name in names:
+            served = self._served.get(name)
+            error = self._errors.get(name)
+            if served is None:
+                if error is not None:
+                    yield str(name), {"error": error}
                 continue
             info = served.info
             stats = served.stats
@@ -636,16 +654,30 @@ class Proxier:
                     "dropped": stats.udp_dropped,
                 },
             }
-            if name in errors:
-                entry["error"] = errors.pop(name)
+            if error is not None:
+                entry["error"] = error
             yield str(name), entry
-        for name, message in sorted(errors.items(), key=_by_name):
-            yield str(name), {"error": message}
 
 
-def _by_name(item: tuple[ServicePortName, Any]) -> tuple[str, str, str, str]:
-    n = item[0]  # a plain tuple sorts in C; the dataclass's generated __lt__ does not
-    return (n.namespace, n.name, n.port, n.protocol)
+SORT_RUN = 256
+"""Names `sorted_in_runs` sorts between two yields to the event loop (~0.3 ms of work)."""
+
+
+def by_name(name: ServicePortName) -> tuple[str, str, str, str]:
+    """The sort key of a service port name: a plain tuple sorts in C; the dataclass's
+    generated __lt__ does not."""
+    return (name.namespace, name.name, name.port, name.protocol)
+
+
+async def sorted_in_runs(names: list[ServicePortName]) -> Iterator[ServicePortName]:
+    """`names` in `by_name` order, sorted SORT_RUN at a time with a yield to the event loop
+    after each run, then merged lazily: no step costs more than a run or one merge step."""
+    runs = []
+    for start in range(0, len(names), SORT_RUN):
+        runs.append(sorted([(by_name(n), n) for n in names[start : start + SORT_RUN]]))
+        await asyncio.sleep(0)
+    # Keys are unique (equal keys are equal names), so the names themselves are never compared.
+    return (name for _, name in heapq.merge(*runs))
 
 
 def _show(address: Address) -> str:

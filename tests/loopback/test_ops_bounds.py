@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path as FilePath
 from typing import Any
@@ -17,7 +18,7 @@ from kube_userspace_proxy.balancer import DEFAULT_MAX_AFFINITY_ENTRIES, PINS_SHO
 from kube_userspace_proxy.health import ProxyHealth
 from kube_userspace_proxy.metrics import ProxyMetrics
 from kube_userspace_proxy.model import Path, ServicePortName
-from kube_userspace_proxy.ops import OpsServer, start_ops
+from kube_userspace_proxy.ops import STATE_CHUNK, OpsServer, start_ops
 from tests.loopback.proxyrun import (
     endpoint_slice,
     loopback_config,
@@ -26,6 +27,7 @@ from tests.loopback.proxyrun import (
     wait_for,
     write_manifests,
 )
+from tests.turns import Turns
 
 HEADER_TIMEOUT = 0.5
 CAP = 8
@@ -160,3 +162,40 @@ async def test_debug_state_summarizes_pins(tmp_path: FilePath) -> None:
         affinity = state[f"default/{name}:http"]["affinity"]
         assert affinity["pins"] == DEFAULT_MAX_AFFINITY_ENTRIES
         assert len(affinity["shown"]) == PINS_SHOWN
+
+
+async def test_debug_state_is_written_a_chunk_per_loop_turn() -> None:
+    """A view that yields to the loop (as the proxier's does while it sorts) is streamed
+    STATE_CHUNK entries at a time, with a turn of the loop between two chunks."""
+    turns = Turns()
+    pulled_in_turn: Counter[int] = Counter()
+    count = 20 * STATE_CHUNK + 3
+
+    async def view() -> AsyncIterator[tuple[str, Any]]:
+        for i in range(count):
+            if i % 50 == 0:
+                await asyncio.sleep(0)
+            pulled_in_turn[turns.count] += 1
+            yield f"default/svc-{i:04d}:http", {"port": i}
+
+    ops = await start_ops(
+        healthz_bind="",
+        metrics_bind="127.0.0.1:0",
+        health=ProxyHealth(30.0),
+        metrics=ProxyMetrics(list, process_metrics=False),
+        debug_state=view,
+        configz=dict,
+    )
+    witness = asyncio.create_task(turns.run())
+    try:
+        url = f"http://127.0.0.1:{ops.metrics_port}/debug/state"
+        async with aiohttp.ClientSession() as http, http.get(url) as resp:
+            assert resp.status == 200
+            state = json.loads(await resp.read())
+    finally:
+        witness.cancel()
+        await ops.close()
+    assert list(state) == [f"default/svc-{i:04d}:http" for i in range(count)]
+    assert [entry["port"] for entry in state.values()] == list(range(count))
+    assert sum(pulled_in_turn.values()) == count
+    assert max(pulled_in_turn.values()) <= STATE_CHUNK
