@@ -144,6 +144,7 @@ class Proxy:
                 bind_address=config.bind_address,
                 nodeport_addresses=config.nodeport_addresses,
                 guard_proxy_ports=config.guard_proxy_ports,
+                verify_period=config.verify_period,
             )
             self.proxier.set_rule_sink(_CountingRules(portals, self.metrics))
             self.portals = portals

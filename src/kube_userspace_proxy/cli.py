@@ -162,6 +162,7 @@ _RUN_FLAGS = (
     _Flag("--tcp-keepalive", "tcp_keepalive", "duration"),
     _Flag("--iptables-sync-period", "sync_period", "duration"),
     _Flag("--iptables-min-sync-period", "min_sync_period", "duration"),
+    _Flag("--iptables-verify-period", "verify_period", "duration"),
     _Flag("--config-sync-period", "config_sync_period", "duration"),
     _Flag("--healthz-bind-address", "healthz_bind_address", "str", "host:port"),
     _Flag("--metrics-bind-address", "metrics_bind_address", "str", "host:port"),

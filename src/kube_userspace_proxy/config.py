@@ -108,6 +108,10 @@ class ProxyConfig(BaseModel):
     unanswered (or data unacknowledged as long: TCP_USER_TIMEOUT) ends it. 0 turns it off."""
     sync_period: float = 30.0
     """Seconds between full resyncs of listeners and rules (`--iptables-sync-period`)."""
+    verify_period: float = 3600.0
+    """Seconds between full reads of our iptables chains, every shard compared with what was
+    written (`--iptables-verify-period`; 1h, as kube-proxy's full resync). Each sync in between
+    checks cheaply: the canary chain, the jumps and the entry chains. 0: every sync reads all."""
     min_sync_period: float = 1.0
     """Minimum seconds between two syncs; changes arriving faster are coalesced."""
     config_sync_period: float = 900.0
@@ -209,6 +213,7 @@ class ProxyConfig(BaseModel):
         "udp_idle_timeout",
         "tcp_keepalive",
         "sync_period",
+        "verify_period",
         "min_sync_period",
         "config_sync_period",
         "shutdown_grace",
@@ -257,6 +262,13 @@ class ProxyConfig(BaseModel):
     def _positive(cls, value: float) -> float:
         if value <= 0:
             raise ValueError("must be greater than 0")
+        return value
+
+    @field_validator("verify_period")
+    @classmethod
+    def _not_negative(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("must not be negative")
         return value
 
 

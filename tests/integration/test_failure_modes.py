@@ -115,9 +115,10 @@ def test_iptables_failing_on_every_call_keeps_livez_and_traffic_and_fails_health
 
 
 def _proxy_port(proxy: Proxy, chain: str, needle: str) -> int:
-    """The proxy port a nat rule of `chain` mentioning `needle` sends traffic to."""
+    """The proxy port a nat rule of `chain` (in one of its shards) mentioning `needle` sends
+    traffic to."""
     for line in proxy.rules("nat"):
-        if line.startswith(f"-A {chain} ") and needle in line:
+        if re.match(rf"-A {chain}-[0-9A-F]{{2}} ", line) and needle in line:
             return int(re.findall(r"(?:--to-ports |:)(\d+)$", line)[0])
     raise AssertionError(f"no {chain} rule with {needle}")
 

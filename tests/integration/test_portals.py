@@ -25,7 +25,8 @@ DRIVER = textwrap.dedent(
     import json, subprocess, sys
     from kube_userspace_proxy import logs
     from kube_userspace_proxy.model import *
-    from kube_userspace_proxy.portals import Portals, make_backend
+    from kube_userspace_proxy.portals import Portals, cleanup_all, make_backend
+    from kube_userspace_proxy.portals.restore import restore_text
 
     logs.setup(0)
     args = json.loads(sys.argv[1])
@@ -48,24 +49,43 @@ DRIVER = textwrap.dedent(
             out.append(ProxiedPort(info, base, base + 1000 if i % 6 == 0 else base))
         return out
 
+    now = [0.0]  # the Portals' clock: moved on by "advance" steps only
+
     def new_portals():
         return Portals(
             make_backend(args["backend"]),
             node_ips=("10.244.0.1", "fd00::1"),
             bind_address=args.get("bind_address", "::"),
             nodeport_addresses=args.get("nodeport_addresses", ()),
+            verify_period=args.get("verify_period", 3600.0),
+            clock=lambda: now[0],
         )
 
     portals = new_portals()
-    result = {"backend": portals.backend.name, "steps": []}
+    result = {"backend": portals.backend.name, "steps": [], "inputs": []}
+    commit = portals.backend.commit
+
+    def recording(family, table, ops, base=None):  # what iptables-restore gets, in text
+        result["inputs"].append(restore_text(table, ops))
+        return commit(family, table, ops, base)
+
+    portals.backend.commit = recording
     for step in args["steps"]:
         if step[0] == "apply":
             portals.apply(ports(step[1], step[2] if len(step) > 2 else 0))
         elif step[0] == "run":
             subprocess.run(step[1], check=True)
+        elif step[0] == "restore":  # rules of someone else (or of an earlier release)
+            subprocess.run([step[1], "--noflush"], input=step[2], text=True, check=True)
+        elif step[0] == "advance":
+            now[0] += step[1]
+        elif step[0] == "cleanup":
+            result["removed"] = cleanup_all()
         elif step[0] == "claimed":  # read back by a Portals of its own, as a restart would
             result["claimed"] = sorted([*k, v] for k, v in new_portals().claimed_ports().items())
-        result["steps"].append({"commits": portals.commits, "repairs": portals.repairs})
+        result["steps"].append(
+            {"commits": portals.commits, "repairs": portals.repairs, "verifies": portals.verifies}
+        )
     print(json.dumps(result))
     """
 )
@@ -235,7 +255,8 @@ STAMPS = textwrap.dedent(
     import json, random
     from kube_userspace_proxy.model import *
     from kube_userspace_proxy.portals.iptc import Encoder
-    from kube_userspace_proxy.portals.rules import Settings, render
+    from kube_userspace_proxy.portals.desired import render
+    from kube_userspace_proxy.portals.rules import Settings
 
     rng = random.Random(7)
     ports = []
@@ -271,3 +292,177 @@ def test_iptc_templates_stamp_what_python_iptables_builds(node: Netns) -> None:
     assert result["bad"] == []
     assert result["rules"] > 400
     assert result["templated"] == result["shapes"] >= 8
+
+
+# ---- shards, the cheap check, the full verify, cleanup and upgrades -------------------------
+
+IPTABLES = {
+    "iptc": ("iptables-legacy", "iptables-legacy-restore"),
+    "restore": ("iptables-nft", "iptables-nft-restore"),
+}
+
+
+def shard_of_port(i: int, chain: str) -> str:
+    """The shard of `chain` that DRIVER's port `i` has its rules in."""
+    from kube_userspace_proxy.model import Protocol, ServicePortName
+    from kube_userspace_proxy.portals.rules import shard_chain, shard_of
+
+    name = ServicePortName(f"ns{i % 3}", f"svc{i}", "p", Protocol.UDP if i % 4 == 3 else "TCP")
+    return shard_chain(chain, shard_of(name))
+
+
+def fresh_install(name: str, backend: str, n: int) -> dict[str, list[str]]:
+    """Our rules as a first apply of `n` ports writes them into empty tables."""
+    fresh = Netns(name + "f")
+    sh("ip", "netns", "add", fresh.name)
+    try:
+        drive(fresh, backend, ["apply", n])
+        return tables(fresh, backend)
+    finally:
+        sh("ip", "netns", "del", fresh.name, check=False)
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_one_change_restore_input_holds_only_the_changed_rules(node: Netns, backend: str) -> None:
+    result = drive(node, backend, ["apply", 300], ["apply", 300, 500])
+    inputs = result["inputs"][result["steps"][0]["commits"] :]
+    # Port 299 (UDP, IPv4 only) moved from proxy port 40299 to 40799: its ClusterIP rules in
+    # one nat shard, its guard rule in the filter shard of each family; nothing else.
+    assert sorted(text.splitlines()[0] for text in inputs) == ["*filter", "*filter", "*nat"]
+    body = [line for text in inputs for line in text.splitlines()[1:-1]]
+    assert all('--comment "ns2/svc299:p"' in line for line in body), body
+    assert sorted(line.split()[0] + " " + line.split()[-1] for line in body) == sorted(
+        [
+            *("-D 40299", "-D 10.244.0.1:40299", "-A 40799", "-A 10.244.0.1:40799"),
+            *("-D icmp-port-unreachable", "-A icmp-port-unreachable"),
+            *("-D icmp6-port-unreachable", "-A icmp6-port-unreachable"),
+        ]
+    )
+    nat = next(text for text in inputs if text.startswith("*nat"))
+    assert {line.split()[1] for line in nat.splitlines()[1:-1]} == {
+        shard_of_port(299, "KUBE-PORTALS-CONTAINER"),
+        shard_of_port(299, "KUBE-PORTALS-HOST"),
+    }
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_a_deleted_jump_and_a_deleted_shard_are_recreated_by_the_next_apply(
+    node: Netns, backend: str
+) -> None:
+    iptables = IPTABLES[backend][0]
+    shard = shard_of_port(0, "KUBE-PORTALS-CONTAINER")
+    entry = f"-m comment --comment 'service ports of shard {shard[-2:]}' -j {shard}"
+    wipe = (
+        f"{iptables} -t nat -D PREROUTING 1"  # the jump into KUBE-PORTALS-CONTAINER
+        f" && {iptables} -t nat -D KUBE-PORTALS-CONTAINER {entry}"
+        f" && {iptables} -t nat -F {shard} && {iptables} -t nat -X {shard}"
+    )
+    result = drive(node, backend, ["apply", 30], ["run", ["sh", "-c", wipe]], ["apply", 30])
+    assert result["steps"][1]["commits"] == result["steps"][0]["commits"]
+    assert result["steps"][-1]["repairs"] == 1  # found by the cheap check, not a full verify
+    assert result["steps"][-1]["verifies"] == 0
+    assert tables(node, backend) == fresh_install(node.name, backend, 30)
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_a_missing_canary_rewrites_everything_of_ours_in_the_table(
+    node: Netns, backend: str
+) -> None:
+    iptables = IPTABLES[backend][0]
+    shard = shard_of_port(0, "KUBE-PORTALS-HOST")
+    # A flushed shard alone is only seen by the full verify; without the canary, the whole
+    # table is rewritten at once, that shard included.
+    wipe = f"{iptables} -t nat -X KUBE-PORTALS-CANARY && {iptables} -t nat -F {shard}"
+    result = drive(node, backend, ["apply", 30], ["run", ["sh", "-c", wipe]], ["apply", 30])
+    assert result["steps"][-1]["repairs"] == 1
+    assert result["steps"][-1]["verifies"] == 0
+    assert tables(node, backend) == fresh_install(node.name, backend, 30)
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_the_full_verify_runs_at_its_period_and_repairs_a_flushed_shard(
+    node: Netns, backend: str
+) -> None:
+    iptables = IPTABLES[backend][0]
+    flush = [iptables, "-t", "nat", "-F", shard_of_port(0, "KUBE-PORTALS-HOST")]
+    steps = (["apply", 30], ["run", flush], ["apply", 30], ["advance", 61], ["apply", 30])
+    result = drive(node, backend, *steps, verify_period=60.0)
+    _, _, within, _, after = result["steps"]
+    assert (within["repairs"], within["verifies"]) == (0, 0)  # the cheap check cannot see it
+    assert (after["repairs"], after["verifies"]) == (1, 4)  # 2 tables x 2 families read in full
+    assert tables(node, backend) == fresh_install(node.name, backend, 30)
+
+
+FOREIGN = """*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-PROXY-CANARY - [0:0]
+:KUBE-PORTALS-OTHER - [0:0]
+-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A KUBE-SERVICES -d 10.96.0.1/32 -p tcp -m tcp --dport 443 -j ACCEPT
+COMMIT
+*filter
+:KUBE-PROXY-CANARY - [0:0]
+-A INPUT -p tcp -m tcp --dport 9999 -j ACCEPT
+COMMIT
+"""
+
+
+def test_cleanup_removes_our_chains_shards_included_from_legacy_and_nft_alone(
+    node: Netns,
+) -> None:
+    for mode in ("legacy", "nft"):
+        restore_in(node, f"iptables-{mode}-restore", FOREIGN)
+        restore_in(node, f"ip6tables-{mode}-restore", FOREIGN.replace("10.96.0.1/32", "fd00::1"))
+    before = {save: node.run(save) for save in (*SAVES["iptc"], *SAVES["restore"])}
+    drive(node, "iptc", ["apply", 30])  # IPv4 and IPv6, on the legacy tables
+    result = drive(node, "restore", ["apply", 30], ["cleanup"])  # and on the nft ones
+    assert result["removed"] > 0
+    for save, text in before.items():
+        rules = sorted(line for line in text.splitlines() if line[:1] in "-:")
+        after = sorted(line for line in node.run(save).splitlines() if line[:1] in "-:")
+        assert after == rules, save
+
+
+def restore_in(ns: Netns, restore: str, text: str) -> None:
+    args = ["ip", "netns", "exec", ns.name, restore, "--noflush"]
+    subprocess.run(args, input=text, text=True, check=True, capture_output=True, timeout=30)
+
+
+# What the release before the shards installed for DRIVER's port 0 (ClusterIPs, NodePort):
+# the rules right in the entry chains.
+OLD_LAYOUT = """*nat
+:KUBE-PORTALS-CONTAINER - [0:0]
+:KUBE-PORTALS-HOST - [0:0]
+:KUBE-NODEPORT-CONTAINER - [0:0]
+:KUBE-NODEPORT-HOST - [0:0]
+-A PREROUTING -m comment --comment "handle ClusterIPs; NOTE: this must be before the NodePort rules" -j KUBE-PORTALS-CONTAINER
+-A OUTPUT -m comment --comment "handle ClusterIPs; NOTE: this must be before the NodePort rules" -j KUBE-PORTALS-HOST
+-A PREROUTING -m addrtype --dst-type LOCAL -m comment --comment "handle service NodePorts; NOTE: this must be the last rule in the chain" -j KUBE-NODEPORT-CONTAINER
+-A OUTPUT -m addrtype --dst-type LOCAL -m comment --comment "handle service NodePorts; NOTE: this must be the last rule in the chain" -j KUBE-NODEPORT-HOST
+-A KUBE-PORTALS-CONTAINER -d 10.96.0.1/32 -p tcp -m comment --comment "ns0/svc0:p" -m tcp --dport 80 -j REDIRECT --to-ports 40000
+-A KUBE-PORTALS-HOST -d 10.96.0.1/32 -p tcp -m comment --comment "ns0/svc0:p" -m tcp --dport 80 -j DNAT --to-destination 10.244.0.1:40000
+-A KUBE-NODEPORT-CONTAINER -p tcp -m comment --comment "ns0/svc0:p" -m tcp --dport 30000 -j REDIRECT --to-ports 41000
+-A KUBE-NODEPORT-HOST -p tcp -m comment --comment "ns0/svc0:p" -m tcp --dport 30000 -j DNAT --to-destination 10.244.0.1:41000
+COMMIT
+*filter
+:KUBE-NODEPORT-NON-LOCAL - [0:0]
+:KUBE-PROXY-PORTS - [0:0]
+-A INPUT -m comment --comment "Ensure that non-local NodePort traffic can flow" -j KUBE-NODEPORT-NON-LOCAL
+-A INPUT -m state --state NEW -m conntrack ! --ctstate DNAT -m comment --comment "refuse proxy ports not reached via nat" -j KUBE-PROXY-PORTS
+-A KUBE-NODEPORT-NON-LOCAL -p tcp -m comment --comment "ns0/svc0:p" -m tcp --dport 41000 -m state --state NEW -m conntrack --ctstate DNAT -j ACCEPT
+-A KUBE-PROXY-PORTS -p tcp -m comment --comment "ns0/svc0:p" -m tcp --dport 40000 -j REJECT --reject-with tcp-reset
+COMMIT
+"""  # noqa: E501
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_rules_of_the_layout_before_shards_are_read_back_then_replaced(
+    node: Netns, backend: str
+) -> None:
+    restore_in(node, IPTABLES[backend][1], OLD_LAYOUT)
+    result = drive(node, backend, ["claimed"], ["apply", 30])
+    assert result["claimed"] == [
+        ["ns0/svc0:p", "TCP", "cluster", 40000],
+        ["ns0/svc0:p", "TCP", "external", 41000],
+    ]
+    assert tables(node, backend) == fresh_install(node.name, backend, 30)

@@ -124,12 +124,35 @@ def test_deleted_service_loses_rules_listener_and_node_port_socket(running: Prox
     assert '"default/dns:p"' in running.save()
 
 
+def _web_shard(proxy: Proxy) -> str:
+    """The shard of KUBE-PORTALS-CONTAINER that holds web's ClusterIP rule."""
+    found = re.search(r"-A (KUBE-PORTALS-CONTAINER-[0-9A-F]{2}) -d 10\.96\.0\.10/32", proxy.save())
+    assert found is not None
+    return found[1]
+
+
 def test_flushed_chain_is_restored_by_the_next_resync(running: Proxy) -> None:
+    shard = _web_shard(running)
     running.iptables("-t", "nat", "-F", "KUBE-PORTALS-CONTAINER")
-    assert '"default/web:p"' not in " ".join(
-        line for line in running.rules() if line.startswith("-A KUBE-PORTALS-CONTAINER")
+    assert not [line for line in running.rules() if line.startswith("-A KUBE-PORTALS-CONTAINER ")]
+    running.wait_rules("-A KUBE-PORTALS-CONTAINER -m comment --comment", f"-j {shard}", timeout=10)
+    assert running.topo.client.ask("tcp", "10.96.0.10", 80)[0] in PODS
+
+
+def test_deleted_jump_and_shard_are_recreated_within_one_sync_period(running: Proxy) -> None:
+    # --iptables-sync-period is 1s here; the full verify (1h by default) never runs.
+    shard = _web_shard(running)
+    jump = ["-m", "comment", "--comment", f"service ports of shard {shard[-2:]}", "-j", shard]
+    running.iptables("-t", "nat", "-D", "PREROUTING", "1")  # the jump into the portals
+    running.iptables("-t", "nat", "-D", "KUBE-PORTALS-CONTAINER", *jump)
+    running.iptables("-t", "nat", "-F", shard)
+    running.iptables("-t", "nat", "-X", shard)
+    running.wait_rules(
+        '-A PREROUTING -m comment --comment "handle ClusterIPs',
+        f"-A {shard} -d 10.96.0.10/32",
+        f"-j {shard}",
+        timeout=10,
     )
-    running.wait_rules("-A KUBE-PORTALS-CONTAINER -d 10.96.0.10/32", timeout=10)
     assert running.topo.client.ask("tcp", "10.96.0.10", 80)[0] in PODS
 
 
@@ -183,7 +206,7 @@ def test_nodeport_addresses_limit_which_local_addresses_answer(
     proxy_factory: Callable[..., Any],
 ) -> None:
     proxy: Proxy = proxy_factory(STANDARD[:2], "--nodeport-addresses", "10.244.1.0/24")
-    proxy.wait_rules("-A KUBE-NODEPORT-CONTAINER -d 10.244.1.0/24")
+    proxy.wait_rules('-d 10.244.1.0/24 -p tcp -m comment --comment "default/web:p"')
     client = proxy.topo.client
     wait_for(lambda: client.ask("tcp", "10.244.1.1", 30080)[0] in PODS, "NodePort on 10.244.1.1")
     assert client.ask("tcp", NODE_IP, 30080) == ["refused"]

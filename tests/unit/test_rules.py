@@ -16,6 +16,7 @@ from kube_userspace_proxy.errors import PortalsError
 from kube_userspace_proxy.model import Protocol, ProxiedPort, ServicePortInfo, ServicePortName
 from kube_userspace_proxy.netutil import Family
 from kube_userspace_proxy.portals import Portals, plan
+from kube_userspace_proxy.portals.desired import Desired, explain, render
 from kube_userspace_proxy.portals.restore import predict, restore_text, view_of
 from kube_userspace_proxy.portals.rules import (
     CHAINS,
@@ -27,9 +28,9 @@ from kube_userspace_proxy.portals.rules import (
     PROXY_PORTS,
     Rule,
     Settings,
+    base_chain,
     claimed,
-    explain,
-    render,
+    is_ours,
 )
 
 NODE = Settings(node_ips=("10.244.0.1",))
@@ -58,8 +59,19 @@ def port(
     return ProxiedPort(info, cluster_port, cluster_port if external_port is None else external_port)
 
 
+def services_rules(ports: Sequence[ProxiedPort], s: Settings = NODE) -> list[Rule]:
+    """The rendered rules of the service ports: no jumps into our chains or to the shards."""
+    return [r for r in render(ports, s) if not r.to_chain]
+
+
 def lines(ports: Sequence[ProxiedPort], s: Settings = NODE, chain: str | None = None) -> list[str]:
-    return [r.line for r in render(ports, s) if chain is None or r.chain == chain]
+    """The service ports' rules, written as if in their entry chains rather than its shards
+    (all of them, or those of `chain`)."""
+    return [
+        f"-A {base_chain(r.chain)} {r.spec}"
+        for r in services_rules(ports, s)
+        if chain is None or base_chain(r.chain) == chain
+    ]
 
 
 def test_cluster_ip_from_pods_is_redirected_to_the_proxy_port() -> None:
@@ -92,9 +104,8 @@ def test_udp_ports_match_udp() -> None:
 
 def test_every_rule_carries_the_service_port_name_as_comment() -> None:
     ports = [port(node_port=30080, external_ips=("192.0.2.5",), lb_ips=("198.51.100.7",))]
-    for rule in render(ports, NODE):
-        if not rule.is_jump:
-            assert '--comment "default/web:http"' in rule.line
+    for rule in services_rules(ports):
+        assert '--comment "default/web:http"' in rule.line
 
 
 def test_port_without_a_proxy_port_gets_no_rules() -> None:
@@ -105,8 +116,8 @@ def test_port_without_a_proxy_port_gets_no_rules() -> None:
 def test_external_paths_go_to_the_external_port() -> None:
     p = port(node_port=30080, external_ips=("192.0.2.5",), lb_ips=("198.51.100.7",))
     p = ProxiedPort(p.info, 40001, 40002)
-    for rule in render([p], NODE):
-        if rule.is_jump or rule.chain == PROXY_PORTS:  # the guard covers both ports
+    for rule in services_rules([p]):
+        if base_chain(rule.chain) == PROXY_PORTS:  # the guard covers both ports
             continue
         cluster = rule.dst == "10.96.0.10/32"
         expected = 40001 if cluster else 40002
@@ -192,7 +203,11 @@ def test_jumps_lead_into_our_chains_in_kube_proxy_order() -> None:
 def test_ipv6_cluster_ips_render_for_ip6tables() -> None:
     s = Settings(node_ips=("10.244.0.1", "fd00::1"), bind_address="::")
     rules = list(render([port(cluster_ips=("10.96.0.10", "fd00:96::10"))], s))
-    v6 = [r.line for r in rules if r.family == 6 and not r.is_jump and r.table == "nat"]
+    v6 = [
+        f"-A {base_chain(r.chain)} {r.spec}"
+        for r in rules
+        if r.family == 6 and not r.to_chain and r.table == "nat"
+    ]
     assert v6 == [
         "-A KUBE-PORTALS-CONTAINER -d fd00:96::10/128 -p tcp -m comment --comment"
         ' "default/web:http" -m tcp --dport 80 -j REDIRECT --to-ports 40001',
@@ -215,10 +230,16 @@ def test_unspecified_ipv6_bind_address_serves_both_families() -> None:
     s = Settings(node_ips=("10.244.0.1", "fd00::1"), bind_address="::")
     rules = render([port(cluster_ips=("10.96.0.10", "fd00:96::10"), node_port=30080)], s)
     for family in (4, 6):
-        mine = [r for r in rules if r.family == family and not r.is_jump]
-        assert {r.chain for r in mine} == {*CHAINS["nat"], NON_LOCAL_NODEPORTS, PROXY_PORTS}
+        mine = [r for r in rules if r.family == family and not r.to_chain]
+        assert {base_chain(r.chain) for r in mine} == {
+            *CHAINS["nat"][:4],
+            NON_LOCAL_NODEPORTS,
+            PROXY_PORTS,
+        }
         assert all(r.target != "DNAT" or r.to_addr in s.node_ips for r in mine)
-        assert all(r.target != "REDIRECT" or r.chain.endswith("-CONTAINER") for r in mine)
+        assert all(
+            r.target != "REDIRECT" or base_chain(r.chain).endswith("-CONTAINER") for r in mine
+        )
 
 
 def test_specific_ipv6_bind_address_serves_ipv6_only() -> None:
@@ -233,13 +254,11 @@ def test_specific_ipv6_bind_address_serves_ipv6_only() -> None:
 
 def test_cluster_ips_of_an_unserved_family_are_reported_once_rendered() -> None:
     dual = port(cluster_ips=("10.96.0.10", "fd00:96::10"))
-    cache: dict[ProxiedPort, list[Rule]] = {}
-    skipped: list[tuple[ServicePortName, str]] = []
-    render([dual, port(name=ServicePortName("default", "v4"))], NODE, cache=cache, skipped=skipped)
-    assert skipped == [(WEB, "fd00:96::10")]
-    again: list[tuple[ServicePortName, str]] = []
-    render([dual], NODE, cache=cache, skipped=again)
-    assert again == []  # from the cache: the caller has been told already
+    desired = Desired(NODE)
+    desired.update([dual, port(name=ServicePortName("default", "v4"))])
+    assert desired.skipped == [(WEB, "fd00:96::10")]
+    desired.update([ProxiedPort(dual.info, dual.cluster_port, dual.external_port)])
+    assert desired.skipped == []  # not rendered again: the caller has been told already
 
 
 def test_external_ips_of_a_family_the_service_lacks_are_ignored() -> None:
@@ -281,13 +300,14 @@ class FakeTable:
         self.chains: dict[str, list[Rule]] = {"PREROUTING": [], "OUTPUT": [], "INPUT": []}
 
     def view(self) -> plan.TableView:
-        ours = CHAINS[self.table]
-        fps: dict[str, Hashable] = {c: tuple(self.chains[c]) for c in ours if c in self.chains}
+        fps: dict[str, Hashable] = {
+            c: tuple(rules) for c, rules in self.chains.items() if is_ours(self.table, c)
+        }
         jumps = tuple(
             plan.Found(c, r.target, i, r.spec)
             for c in ("PREROUTING", "OUTPUT", "INPUT")
             for i, r in enumerate(self.chains[c])
-            if r.target in ours
+            if is_ours(self.table, r.target)
         )
         return plan.TableView(fps, jumps)
 
@@ -356,7 +376,7 @@ def test_update_from_a_to_b_leaves_exactly_b(a: set[int], b: set[int], shift: in
     assert holds(table, want)
     assert step.repaired == []
     assert {c: list(r) for c, r in step.chains.items()} == {
-        c: table.chains[c] for c in CHAINS["nat"]
+        c: rules for c, rules in table.chains.items() if is_ours("nat", c)
     }
 
 
@@ -444,6 +464,9 @@ class MemoryBackend:
 
     def __init__(self) -> None:
         self.held: dict[tuple[Family, str], FakeTable] = {}
+        self.reads = self.glances = 0
+        self.inputs: list[str] = []
+        """What each commit would have handed to iptables-restore."""
 
     def locked(self, family: Family) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -452,15 +475,32 @@ class MemoryBackend:
         return frozenset(t for f, t in self.held if f == family)
 
     def read(self, family: Family, table: str) -> plan.TableView:
+        self.reads += 1
         return self.held.setdefault((family, table), FakeTable(table)).view()
+
+    def glance(self, family: Family, table: str, believed: plan.TableView) -> plan.TableView:
+        self.glances += 1
+        seen = self.held.setdefault((family, table), FakeTable(table)).view()
+        chains = {c: fp for c, fp in believed.chains.items() if c not in CHAINS[table]}
+        chains.update({c: fp for c, fp in seen.chains.items() if c in CHAINS[table]})
+        return plan.TableView(chains, seen.jumps, believed.referenced)
 
     def saved(self, family: Family, table: str) -> dict[str, tuple[str, ...]]:
         held = self.held.get((family, table))
         if held is None:
             return {}
-        return {c: tuple(r.spec for r in held.chains[c]) for c in CHAINS[table] if c in held.chains}
+        return {
+            c: tuple(r.spec for r in rules) for c, rules in held.chains.items() if is_ours(table, c)
+        }
 
-    def commit(self, family: Family, table: str, ops: Sequence[plan.Op]) -> None:
+    def commit(
+        self,
+        family: Family,
+        table: str,
+        ops: Sequence[plan.Op],
+        base: plan.TableView | None = None,
+    ) -> None:
+        self.inputs.append(restore_text(table, ops))
         self.held.setdefault((family, table), FakeTable(table)).run(ops)
 
 
@@ -502,7 +542,7 @@ def test_ipv6_rules_of_a_run_with_bind_address_any6_go_when_restarted_with_0_0_0
 
 def saved(rules: Sequence[Rule]) -> list[tuple[str, str]]:
     """(chain, spec) of our chains' rules, as a backend's `saved` gives them."""
-    return [(r.chain, r.spec) for r in rules if not r.is_jump]
+    return [(r.chain, r.spec) for r in rules if not r.to_chain]
 
 
 def test_claimed_ports_are_read_back_from_rendered_rules() -> None:
@@ -538,7 +578,8 @@ def test_claimed_ports_of_dnat_rules_to_a_bind_address() -> None:
         rules = render(
             [replace(split, info=replace(split.info, cluster_ips=ips))], Settings((), bind)
         )
-        assert {r.target for r in rules if r.chain == CONTAINER_PORTALS} == {"DNAT"}
+        assert {r.target for r in rules if base_chain(r.chain) == CONTAINER_PORTALS} >= {"DNAT"}
+        assert {r.target for r in rules if r.chain.startswith(CONTAINER_PORTALS + "-")} == {"DNAT"}
         assert claimed(saved(rules)) == {
             ("default/web:http", "TCP", "cluster"): 40001,
             ("default/web:http", "TCP", "external"): 40002,
@@ -696,8 +737,8 @@ def test_restore_text_declares_resets_first_and_prepends_with_insert() -> None:
 
 
 def test_predicted_table_follows_appends_deletes_and_resets() -> None:
-    two = [port(), port(cluster_ips=("10.96.0.20",))]
-    a, b = (r for r in render(two, NODE) if r.chain == CONTAINER_PORTALS)
+    two = [port(), port(name=ServicePortName("default", "b"), cluster_ips=("10.96.0.20",))]
+    a, b = (r for r in services_rules(two) if base_chain(r.chain) == CONTAINER_PORTALS)
     view = plan.TableView({CONTAINER_PORTALS: (a.spec, "x"), HOST_PORTALS: ("y",)})
     after = predict(
         view,
@@ -712,11 +753,15 @@ def test_predicted_table_follows_appends_deletes_and_resets() -> None:
     assert after.chains == {CONTAINER_PORTALS: ("x", a.spec), HOST_PORTALS: (b.spec,)}
 
 
-def test_prediction_gives_up_when_jumps_change_or_a_delete_misses() -> None:
+def test_prediction_follows_jumps_and_gives_up_when_a_delete_misses() -> None:
     jump = next(r for r in render([], NODE) if r.is_jump)
     view = plan.TableView({CONTAINER_PORTALS: ("x",)})
-    assert predict(view, [plan.Prepend(jump)]) is None
+    after = predict(view, [plan.Prepend(jump)])
+    assert after is not None
+    assert after.jumps == (plan.Found(jump.chain, jump.target, 0, jump.spec),)
     assert predict(view, [plan.Delete(CONTAINER_PORTALS, 0, "not there")]) is None
+    rule = services_rules([port()])[0]
+    assert predict(view, [plan.Append(replace(rule, chain="KUBE-NOT-THERE"))]) is None
 
 
 def test_one_change_restore_input_holds_only_the_changed_rules() -> None:
@@ -727,8 +772,8 @@ def test_one_change_restore_input_holds_only_the_changed_rules() -> None:
     after = [*before[:100], moved, *before[101:]]
     step, _ = sync(table, nat(after), state)
     text = restore_text("nat", step.ops).splitlines()
-    old = [r for r in render([before[100]], NODE) if not r.is_jump and r.table == "nat"]
-    new = [r for r in render([moved], NODE) if not r.is_jump and r.table == "nat"]
+    old = [r for r in services_rules([before[100]]) if r.table == "nat"]
+    new = [r for r in services_rules([moved]) if r.table == "nat"]
     assert len(old) == len(new) == 2  # a container and a host rule
     assert text[0] == "*nat"
     assert text[-1] == "COMMIT"
@@ -742,15 +787,17 @@ def test_every_proxy_port_is_guarded_against_direct_connections() -> None:
     dns = ServicePortName("default", "dns", "", Protocol.UDP)
     udp = port(name=dns, cluster_ips=("10.96.0.11",), cluster_port=40003)
     rules = lines([p, udp], chain=PROXY_PORTS)
-    assert rules == [
-        '-A KUBE-PROXY-PORTS -p udp -m comment --comment "default/dns" -m udp --dport 40003'
-        " -j REJECT --reject-with icmp-port-unreachable",
-        '-A KUBE-PROXY-PORTS -p tcp -m comment --comment "default/web:http" -m tcp --dport 40001'
-        " -j REJECT --reject-with tcp-reset",
-        '-A KUBE-PROXY-PORTS -p tcp -m comment --comment "default/web:http" -m tcp --dport 40002'
-        " -j REJECT --reject-with tcp-reset",
-    ]
-    (jump,) = [r for r in render([p], NODE) if r.target == PROXY_PORTS]
+    assert sorted(rules) == sorted(
+        [
+            '-A KUBE-PROXY-PORTS -p udp -m comment --comment "default/dns" -m udp --dport 40003'
+            " -j REJECT --reject-with icmp-port-unreachable",
+            '-A KUBE-PROXY-PORTS -p tcp -m comment --comment "default/web:http" -m tcp'
+            " --dport 40001 -j REJECT --reject-with tcp-reset",
+            '-A KUBE-PROXY-PORTS -p tcp -m comment --comment "default/web:http" -m tcp'
+            " --dport 40002 -j REJECT --reject-with tcp-reset",
+        ]
+    )
+    (jump,) = [r for r in render([p], NODE) if r.is_jump and r.target == PROXY_PORTS]
     assert jump.prepend and jump.chain == "INPUT"
     assert jump.line.endswith(
         "-m state --state NEW -m conntrack ! --ctstate DNAT -j KUBE-PROXY-PORTS"
@@ -759,4 +806,4 @@ def test_every_proxy_port_is_guarded_against_direct_connections() -> None:
 
 def test_the_guard_can_be_turned_off() -> None:
     s = replace(NODE, guard=False)
-    assert not [r for r in render([port(node_port=30080)], s) if r.chain == PROXY_PORTS]
+    assert not [r for r in render([port(node_port=30080)], s) if r.chain.startswith(PROXY_PORTS)]

@@ -1,10 +1,12 @@
 """Portals: the iptables rules that send Service traffic to the proxy ports.
 
-The package, one concept per module: `rules` renders the desired rules (with an explanation
-each), `plan` turns desired rules and what a table holds into operations, `restore` and `iptc`
-are the two backends that read and commit them, `reconcile` holds `Portals` (applies the
-difference each sync, repairs tampering, reads back an earlier run's proxy ports), and
-`backends` picks a backend for the host and removes our rules everywhere (`cleanup_all`).
+The package, one concept per module: `rules` renders one service port's rules (with an
+explanation each) into its shard of each chain, `desired` keeps the whole desired set and
+re-renders only the ports that changed, `plan` turns desired rules and what a table holds
+into operations, `restore` and `iptc` are the two backends that read and commit them,
+`reconcile` holds `Portals` (applies the difference each sync, checks cheaply for tampering,
+verifies in full now and then, reads back an earlier run's proxy ports), and `backends` picks
+a backend for the host and removes our rules everywhere (`cleanup_all`).
 """
 
 from kube_userspace_proxy.errors import PortalsError
@@ -14,11 +16,13 @@ from kube_userspace_proxy.portals.backends import (
     kernel_has_match,
     make_backend,
 )
+from kube_userspace_proxy.portals.desired import explain
 from kube_userspace_proxy.portals.plan import Backend
-from kube_userspace_proxy.portals.reconcile import Portals
-from kube_userspace_proxy.portals.rules import ClaimKey, Rule, explain, served_families
+from kube_userspace_proxy.portals.reconcile import VERIFY_PERIOD, Portals
+from kube_userspace_proxy.portals.rules import ClaimKey, Rule, served_families
 
 __all__ = [
+    "VERIFY_PERIOD",
     "Backend",
     "ClaimKey",
     "Portals",

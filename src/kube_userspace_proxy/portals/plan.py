@@ -97,7 +97,15 @@ class Backend(Protocol):
         """The tables that exist now (reading them must not create them)."""
         ...
 
-    def read(self, family: Family, table: str) -> TableView: ...
+    def read(self, family: Family, table: str) -> TableView:
+        """Everything the table holds of ours, read from the kernel now."""
+        ...
+
+    def glance(self, family: Family, table: str, believed: TableView) -> TableView:
+        """The cheap check: `believed` with the jumps into our chains and the fixed chains
+        (`CHAINS[table]`: the entry chains and the canary) as the kernel holds them now.
+        A backend that can tell nothing was committed since may answer from memory."""
+        ...
 
     def saved(self, family: Family, table: str) -> Mapping[str, tuple[str, ...]]:
         """Our chains' rules as `iptables-save` prints them after `-A CHAIN`, in order.
@@ -106,11 +114,13 @@ class Backend(Protocol):
         """
         ...
 
-    def commit(self, family: Family, table: str, ops: Sequence[Op]) -> TableView | None:
+    def commit(
+        self, family: Family, table: str, ops: Sequence[Op], base: TableView | None = None
+    ) -> TableView | None:
         """Apply `ops` in order as one atomic change of `table`; PortalsError on failure.
 
-        Returns the table as the commit left it when the backend knows it without reading it
-        again (None: call `read`).
+        `base` is the table the ops were planned against. Returns the table as the commit
+        left it when the backend knows it without reading it again (None: call `read`).
         """
         ...
 
@@ -137,7 +147,7 @@ def group(rules: Sequence[Rule]) -> dict[tuple[Family, str], TableRules]:
         if rule.is_jump:
             jumps[key].append(rule)
         else:
-            chains[key][rule.chain].append(rule)
+            chains[key].setdefault(rule.chain, []).append(rule)
     return {
         key: TableRules(key[0], key[1], {c: tuple(r) for c, r in cs.items()}, tuple(jumps[key]))
         for key, cs in chains.items()
@@ -188,18 +198,31 @@ def _jump_ops(want: TableRules, view: TableView, *, force: bool) -> tuple[list[O
     return deletes, adds
 
 
-def _ordered(deletes: list[Op], resets: list[Op], adds: list[Op], jumps: list[Op]) -> list[Op]:
+def _ordered(
+    deletes: list[Op], resets: list[Op], drops: list[Op], adds: list[Op], jumps: list[Op]
+) -> list[Op]:
     # Deleting by position stays correct only from the highest position down, per chain.
     deletes.sort(key=lambda op: (op.chain, -op.index) if isinstance(op, Delete) else ("", 0))
-    return [*deletes, *resets, *adds, *jumps]
+    # A chain is dropped once the entry chain's jump to it is gone (deleted or reset above).
+    return [*deletes, *resets, *drops, *adds, *jumps]
+
+
+def _drops(want: TableRules, view: TableView) -> list[Op]:
+    """Our chains the table holds but no rule needs (a shard emptied, an earlier run's)."""
+    return [
+        ResetChain(c) if c in view.referenced else DropChain(c)
+        for c in sorted(view.chains)
+        if c not in want.chains
+    ]
 
 
 def replace_all(want: TableRules, view: TableView) -> Plan:
-    """Replace whatever the table holds of ours (the first sync of a run)."""
+    """Replace whatever the table holds of ours (the first sync of a run, a full repair)."""
     deletes, jumps = _jump_ops(want, view, force=True)
     resets: list[Op] = [ResetChain(c) for c in want.chains]
     adds: list[Op] = [Append(r) for rules in want.chains.values() for r in rules]
-    return Plan(_ordered(deletes, resets, adds, jumps), dict(want.chains))
+    drops = _drops(want, view)
+    return Plan(_ordered(deletes, resets, drops, adds, jumps), dict(want.chains))
 
 
 def update(
@@ -219,7 +242,7 @@ def update(
     for chain, rules in want.chains.items():
         have = applied.get(chain)
         intact = chain in view.chains and view.chains[chain] == fingerprints.get(chain)
-        if have is None or not intact:
+        if have is not None and not intact:
             repaired.append(chain)
         if have is not None and intact and have == rules:  # same objects: fast
             chains[chain] = rules
@@ -232,22 +255,26 @@ def update(
                 new = [r for r in rules if r not in kept]
                 deletes += [Delete(chain, i, have[i].spec) for i in gone]
                 adds += [Append(r) for r in new]
-                chains[chain] = tuple(r for r in have if r in wanted) + tuple(new)
+                after = tuple(r for r in have if r in wanted) + tuple(new)
+                chains[chain] = rules if after == rules else after  # keep `rules`: fast next time
                 continue
         resets.append(ResetChain(chain))
         adds += [Append(r) for r in rules]
         chains[chain] = rules
-    return Plan(_ordered(deletes, resets, adds, jumps), chains, repaired)
+    drops = _drops(want, view)
+    return Plan(_ordered(deletes, resets, drops, adds, jumps), chains, repaired)
 
 
 def cleanup(table: str, view: TableView) -> list[Op]:
-    """Remove every jump into our chains from built-in chains, then the chains themselves."""
+    """Remove every jump into our chains from built-in chains, then the chains themselves:
+    the entry chains first (their jumps to the shards go with them), then the shards."""
     deletes: list[Op] = [Delete(f.chain, f.index, f.spec) for f in view.jumps]
-    drops: list[Op] = []
-    for chain in CHAINS[table]:
-        if chain in view.chains:
-            drops.append(ResetChain(chain) if chain in view.referenced else DropChain(chain))
-    return _ordered(deletes, [], [], drops)
+    order = [c for c in CHAINS[table] if c in view.chains]
+    order += sorted(c for c in view.chains if c not in CHAINS[table])
+    drops: list[Op] = [
+        ResetChain(chain) if chain in view.referenced else DropChain(chain) for chain in order
+    ]
+    return _ordered(deletes, [], drops, [], [])
 
 
 def ops_summary(ops: Sequence[Op]) -> Iterator[str]:

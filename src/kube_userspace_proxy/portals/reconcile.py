@@ -1,17 +1,21 @@
 """Portals: keep the kernel's rules equal to the desired ones for the service ports given.
 
-`Portals.apply` takes the full desired state, diffs it against what it applied before and
-commits only the changes, one atomic commit per table. Each apply re-reads our chains (a
-fingerprint per chain; the restore backend skips the read while the nft generation is the one
-it saw) so that rules flushed or edited by someone else are put back. The first apply of a run
-replaces whatever an earlier run left; before it, `claimed_ports` tells which proxy port those
-rules send each service port to, so a restart can take the same ports.
+`Portals.apply` takes the full desired state, renders only the service ports that changed
+(`desired`), and commits only the difference, one atomic commit per table. Each apply first
+checks cheaply for tampering (`Backend.glance`: the canary chain, the jumps into our chains
+and the entry chains; in nft mode nothing at all while nobody committed): a missing canary
+means the table was flushed or reloaded, and everything of ours in it is rewritten; any other
+difference is read in full and repaired exactly. Every `verify_period` the tables are read in
+full (fingerprints of every chain, shards included) and whatever differs is put back. The
+first apply of a run replaces whatever an earlier run left; before it, `claimed_ports` tells
+which proxy port those rules send each service port to, so a restart can take the same ports.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 
 from kube_userspace_proxy import logs
@@ -20,9 +24,11 @@ from kube_userspace_proxy.model import ProxiedPort, ServicePortName
 from kube_userspace_proxy.netutil import Family, ip_family
 from kube_userspace_proxy.portals import plan
 from kube_userspace_proxy.portals.backends import cleanup_all, kernel_has_match
-from kube_userspace_proxy.portals.plan import Backend
+from kube_userspace_proxy.portals.desired import Desired
+from kube_userspace_proxy.portals.plan import Backend, Found, TableView
 from kube_userspace_proxy.portals.restore import counted
 from kube_userspace_proxy.portals.rules import (
+    CANARY,
     CHAINS,
     CONTAINER_NODEPORTS,
     CONTAINER_PORTALS,
@@ -31,10 +37,15 @@ from kube_userspace_proxy.portals.rules import (
     ClaimKey,
     Rule,
     Settings,
+    base_chain,
     claimed,
-    render,
+    is_ours,
     served_families,
 )
+
+VERIFY_PERIOD = 3600.0
+"""Seconds between full reads of our tables (`--iptables-verify-period`): kube-proxy's
+`FullSyncPeriod`, one hour."""
 
 log = logs.get(__name__)
 
@@ -45,6 +56,14 @@ class _Applied:
 
     chains: dict[str, tuple[Rule, ...]]
     fingerprints: dict[str, Hashable]
+    jumps: tuple[Found, ...]
+    referenced: frozenset[str]
+    verified: float
+    """When the table was last read in full (time.monotonic)."""
+
+    def believed(self) -> TableView:
+        """The table as our last commit left it."""
+        return TableView(self.fingerprints, self.jumps, self.referenced)
 
 
 class Portals:
@@ -59,6 +78,8 @@ class Portals:
         nodeport_addresses: Sequence[str] = (),
         physdev: bool | None = None,
         guard_proxy_ports: bool = True,
+        verify_period: float = VERIFY_PERIOD,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if physdev is None:
             physdev = kernel_has_match("physdev")
@@ -71,8 +92,11 @@ class Portals:
         self._settings = Settings(
             tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev, guard_proxy_ports
         )
+        self.verify_period = verify_period
+        """Seconds between full reads of our tables; each apply in between checks cheaply."""
+        self._clock = clock
+        self._desired = Desired(self._settings)
         self._applied: dict[tuple[Family, str], _Applied] = {}
-        self._rendered: dict[ProxiedPort, list[Rule]] = {}
         self._leftovers_found: set[tuple[Family, str]] = set()
         self._lock = threading.Lock()
         self._warned_no_node_ip: set[Family] = set()
@@ -81,42 +105,42 @@ class Portals:
         """Commits made (a sync with nothing to change makes none)."""
         self.repairs = 0
         """Tables found changed by someone else at a sync (and put back), counted per table."""
+        self.verifies = 0
+        """Full reads of a table at the verify period (not counting first syncs and repairs)."""
 
     def set_node_ips(self, node_ips: Sequence[str]) -> None:
         """The node's IPs changed (the node's own traffic is DNATed to them)."""
         if tuple(node_ips) != self._settings.node_ips:
             self._settings = replace(self._settings, node_ips=tuple(node_ips))
-            self._rendered = {}
+            self._desired.set_settings(self._settings)
+
+    def _families(self) -> set[Family]:
+        families = {f for ip in self._settings.node_ips if (f := ip_family(ip))}
+        return families | {f for f, _ in self._applied} | {f for f, _ in self._leftovers_found}
+
+    def _update(self, ports: Sequence[ProxiedPort]) -> None:
+        self._desired.update(ports)
+        self._warn_unserved(self._desired.skipped)
 
     def render(self, ports: Sequence[ProxiedPort]) -> list[Rule]:
         """The complete desired rule set for `ports` (what `apply` makes the kernel hold)."""
-        families = {f for ip in self._settings.node_ips if (f := ip_family(ip))}
-        families |= {f for f, _ in self._applied} | {f for f, _ in self._leftovers_found}
-        # Keep only this call's ports in the cache, so removed services do not pile up.
-        cache: dict[ProxiedPort, list[Rule]] = {}
-        previous = self._rendered
-        for pp in ports:
-            if pp in previous:
-                cache[pp] = previous[pp]
-        self._rendered = cache
-        skipped: list[tuple[ServicePortName, str]] = []
-        rules = render(ports, self._settings, families=families, cache=cache, skipped=skipped)
-        self._warn_unserved(ports, skipped)
-        return rules
+        with self._lock:
+            self._update(ports)
+            return self._desired.rules(self._families())
 
     def apply(self, ports: Sequence[ProxiedPort]) -> None:
         """Make the kernel hold exactly the rules for `ports`; blocking; PortalsError on failure."""
         with self._lock:
             if not self._applied:
                 self._leftovers_found = self._leftovers()
-            rules = self.render(ports)
+            self._update(ports)
+            wanted = self._desired.tables(self._families())
             # Tables of a family no longer served are emptied (plan.empty), not left behind.
-            keys = {(r.family, r.table) for r in rules} | set(self._applied) | self._leftovers_found
-            self._warn_missing_node_ips({r.family for r in rules})
+            keys = set(wanted) | set(self._applied) | self._leftovers_found
+            self._warn_missing_node_ips({f for f, _ in wanted})
             errors: list[PortalsError] = []
-            grouped = plan.group(rules)
             for family, table in sorted(keys):
-                want = grouped.get((family, table)) or plan.empty(family, table)
+                want = wanted.get((family, table)) or plan.empty(family, table)
                 try:
                     self._sync(family, table, want)
                 except PortalsError as exc:
@@ -165,15 +189,17 @@ class Portals:
 
         Keys are (`ns/name:port`, "TCP" or "UDP", "cluster" or "external"), read from both
         families' KUBE-PORTALS-CONTAINER and KUBE-NODEPORT-CONTAINER chains (see
-        `rules.claimed`); read-only. {} when there are none, or (logged) when reading fails.
+        `rules.claimed`), shards included; read-only. {} when there are none, or (logged)
+        when reading fails.
         """
         saved: list[tuple[str, str]] = []
         with self._lock:
             try:
                 for family in (4, 6):
                     chains = self.backend.saved(family, NAT)
-                    for chain in (CONTAINER_PORTALS, CONTAINER_NODEPORTS):
-                        saved += [(chain, spec) for spec in chains.get(chain, ())]
+                    for chain, specs in chains.items():
+                        if base_chain(chain) in (CONTAINER_PORTALS, CONTAINER_NODEPORTS):
+                            saved += [(chain, spec) for spec in specs]
             except PortalsError as exc:
                 log.warning(
                     "cannot read the proxy ports of the installed rules (%s): choosing new ones",
@@ -186,26 +212,28 @@ class Portals:
         """Our nat rules, and the jumps to them, with their counters: (family, chain, spec,
         packets, bytes). Read-only, for /debug/ui; [] where they cannot be read (logged)."""
         out: list[tuple[int, str, str, int, int]] = []
-        ours = CHAINS[NAT]
+        entries = CHAINS[NAT]
         for family in (4, 6):
             try:
                 rules = counted(self.backend.mode, family, NAT)
             except PortalsError as exc:
                 log.debug("cannot read the rules' counters: %s", exc)
                 continue
-            out += [
-                (family, chain, spec, packets, size)
-                for chain, spec, packets, size in rules
-                if chain in ours or any(spec.endswith(f"-j {c}") for c in ours)
-            ]
+            for chain, spec, packets, size in rules:
+                # A shard's rules are shown under their entry chain; the jumps from an entry
+                # chain to its shards are plumbing and left out.
+                if is_ours(NAT, chain):
+                    if chain not in entries:
+                        out.append((family, base_chain(chain), spec, packets, size))
+                elif any(spec.endswith(f"-j {c}") for c in entries):
+                    out.append((family, chain, spec, packets, size))
         return out
 
-    def _warn_unserved(
-        self, ports: Sequence[ProxiedPort], skipped: list[tuple[ServicePortName, str]]
-    ) -> None:
+    def _warn_unserved(self, skipped: list[tuple[ServicePortName, str]]) -> None:
         """Warn once per service port whose ClusterIPs of one family get no rules."""
         if self._warned_unserved:  # forget ports that are gone, so the set stays small
-            self._warned_unserved &= {pp.info.name for pp in ports}
+            names = self._desired.names()
+            self._warned_unserved = {n for n in self._warned_unserved if n in names}
         bind = self._settings.bind_address or "0.0.0.0"
         served = "/".join(f"IPv{f}" for f in sorted(served_families(bind))) or "no family"
         for name, ip in skipped:
@@ -234,33 +262,81 @@ class Portals:
 
     def _sync(self, family: Family, table: str, want: plan.TableRules) -> None:
         backend = self.backend
+        key = (family, table)
         with backend.locked(family):
-            view = backend.read(family, table)
-            applied = self._applied.pop((family, table), None)
+            applied = self._applied.pop(key, None)
+            verified = self._clock()
             if applied is None:
+                view = backend.read(family, table)
                 step = plan.replace_all(want, view)
             else:
-                step = plan.update(want, view, applied.chains, applied.fingerprints)
-                if step.repaired:
+                view, full = self._check(family, table, applied)
+                if CANARY not in view.chains:
                     self.repairs += 1
                     log.warning(
-                        "iptables %s (IPv%d) changed outside the proxy (%s); restoring",
+                        "iptables %s (IPv%d): our canary chain %s is gone (the table was flushed"
+                        " or reloaded); rewriting all our rules in it",
                         table,
                         family,
-                        ", ".join(step.repaired),
+                        CANARY,
                     )
+                    step = plan.replace_all(want, view)
+                else:
+                    step = plan.update(want, view, applied.chains, applied.fingerprints)
+                    if step.repaired:
+                        self.repairs += 1
+                        log.warning(
+                            "iptables %s (IPv%d) changed outside the proxy (%s); restoring",
+                            table,
+                            family,
+                            ", ".join(step.repaired[:10]),
+                        )
+                if not full:
+                    verified = applied.verified
             if step.ops:
                 try:
-                    after = backend.commit(family, table, step.ops)
+                    after = backend.commit(family, table, step.ops, view)
                 except PortalsError as exc:
                     if applied is None:
                         raise
                     log.warning("%s; replacing our chains in %s instead", exc, table)
-                    step = plan.replace_all(want, backend.read(family, table))
-                    after = backend.commit(family, table, step.ops)
+                    view = backend.read(family, table)
+                    step = plan.replace_all(want, view)
+                    after = backend.commit(family, table, step.ops, view)
+                    verified = self._clock()
                 self.commits += 1
                 view = after or backend.read(family, table)
                 log.debug(
                     "iptables %s (IPv%d): %d change(s) committed", table, family, len(step.ops)
                 )
-            self._applied[(family, table)] = _Applied(step.chains, dict(view.chains))
+            self._applied[key] = _Applied(
+                step.chains, dict(view.chains), view.jumps, view.referenced, verified
+            )
+
+    def _check(self, family: Family, table: str, applied: _Applied) -> tuple[TableView, bool]:
+        """The table as it is now, and whether it was read in full: at the verify period, or
+        when the cheap check (`Backend.glance`) finds anything but what we left."""
+        backend = self.backend
+        if self._clock() - applied.verified >= self.verify_period:
+            self.verifies += 1
+            return backend.read(family, table), True
+        believed = applied.believed()
+        view = backend.glance(family, table, believed)
+        if CANARY in view.chains and _same(view, believed, table):
+            return view, False
+        # Something differs: read all of it, so the repair is exact. Without the canary the
+        # caller rewrites everything of ours in the table.
+        return backend.read(family, table), True
+
+
+def _same(seen: TableView, believed: TableView, table: str) -> bool:
+    """True when the fixed chains and the jumps into our chains are as we left them."""
+    for chain in CHAINS[table]:
+        if seen.chains.get(chain) != believed.chains.get(chain):
+            return False
+    return _jumps(seen) == _jumps(believed)
+
+
+def _jumps(view: TableView) -> list[tuple[str, str]]:
+    """The jumps into our chains, in their order within each built-in chain."""
+    return sorted(((f.chain, f.target) for f in view.jumps), key=lambda jump: jump[0])

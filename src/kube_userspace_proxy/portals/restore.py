@@ -4,11 +4,12 @@ Works with either iptables mode (nft or legacy) by running that mode's binaries.
 is one `iptables-restore` run, which the kernel applies atomically per table; `-w` makes it
 wait for the xtables lock (legacy mode; nft does not need it).
 
-`iptables-nft-save` costs time in proportion to every rule of every table (about 70 us a rule:
-nearly 2 s at 26,000), so in nft mode a read is skipped while the ruleset's generation number
-(bumped by the kernel on every nftables commit, by anyone) is the one seen at the last read;
-after our own commit, when the generation moved by exactly one, the table is known without
-reading it: the last read with our changes applied.
+`iptables-nft-save` costs time in proportion to every rule of every table (about 10-70 us a
+rule), so only `read` (the first sync, the full verify, a repair) runs it. The cheap check,
+`glance`, reads the built-in chains and our fixed chains one by one with `iptables -S CHAIN`
+(iptables-nft fetches that chain alone: ~3 ms each), and in nft mode not even that while the
+ruleset's generation number (bumped by the kernel on every nftables commit, by anyone) is the
+one seen then. After our own commit the table is predicted from the ops, not read again.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from kube_userspace_proxy.portals.plan import (
     ResetChain,
     TableView,
 )
-from kube_userspace_proxy.portals.rules import CHAINS
+from kube_userspace_proxy.portals.rules import CHAINS, is_ours, jumps
 
 log = logs.get(__name__)
 
@@ -67,25 +68,53 @@ def nft_generation() -> int | None:
 
 
 def predict(view: TableView, ops: Sequence[Op]) -> TableView | None:
-    """`view` after `ops`, when they only change rules of our chains (else None)."""
-    chains = {chain: list(specs) for chain, specs in view.chains.items()}  # type: ignore[call-overload]
+    """`view` after `ops` (fingerprints are the chains' rule texts); None when an op does not
+    fit `view` (a delete of a rule it lacks, an append to a chain it lacks): read instead."""
+    chains = dict(view.chains)
+    edited: dict[str, list[str]] = {}
+    jumps = list(view.jumps)
     for op in ops:
         if isinstance(op, ResetChain):
-            chains[op.chain] = []
+            edited[op.chain] = []
+            chains[op.chain] = ()
+        elif isinstance(op, DropChain):
+            edited.pop(op.chain, None)
+            chains.pop(op.chain, None)
+        elif isinstance(op, (Append, Prepend)) and op.rule.is_jump:
+            found = Found(op.rule.chain, op.rule.target, 0, op.rule.spec)
+            jumps.insert(0 if isinstance(op, Prepend) else len(jumps), found)
         elif isinstance(op, Append) and op.rule.chain in chains:
-            chains[op.rule.chain].append(op.rule.spec)
-        elif isinstance(op, Delete) and op.spec in chains.get(op.chain, ()):
-            chains[op.chain].remove(op.spec)
+            edited.setdefault(op.rule.chain, list(chains[op.rule.chain])).append(op.rule.spec)  # type: ignore[call-overload]
+        elif isinstance(op, Delete) and op.chain in chains:
+            specs = edited.setdefault(op.chain, list(chains[op.chain]))  # type: ignore[call-overload]
+            if op.spec not in specs:
+                return None
+            specs.remove(op.spec)
+        elif isinstance(op, Delete):
+            at = next(
+                (i for i, f in enumerate(jumps) if (f.chain, f.spec) == (op.chain, op.spec)), -1
+            )
+            if at < 0:
+                return None
+            del jumps[at]
         else:
-            return None  # jumps or chains come and go: read the table again
-    fingerprints: dict[str, Hashable] = {chain: tuple(specs) for chain, specs in chains.items()}
-    return TableView(fingerprints, view.jumps, view.referenced)
+            return None
+    for chain, specs in edited.items():
+        chains[chain] = tuple(specs)
+    counts: dict[str, int] = {}
+    numbered = []
+    for f in jumps:  # positions among our jumps: restore deletes by text, so order is enough
+        numbered.append(Found(f.chain, f.target, counts.get(f.chain, 0), f.spec))
+        counts[f.chain] = counts.get(f.chain, 0) + 1
+    return TableView(chains, tuple(numbered), view.referenced)
 
 
 def binary(family: Family, mode: str | None, tool: str) -> str | None:
-    """Path of e.g. `ip6tables-nft-restore`; `mode` None means the system default."""
+    """Path of e.g. `ip6tables-nft-restore` (`tool` "": `ip6tables-nft`); `mode` None means
+    the system default."""
     base = "ip6tables" if family == 6 else "iptables"
-    names = [f"{base}-{mode}-{tool}"] if mode else [f"{base}-{tool}"]
+    tail = f"-{tool}" if tool else ""
+    names = [f"{base}-{mode}{tail}"] if mode else [f"{base}{tail}"]
     for name in names:
         found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
         if found:
@@ -166,16 +195,15 @@ def counted(mode: str, family: Family, table: str) -> list[tuple[str, str, int, 
 def view_of(text: str, table: str) -> TableView:
     """Our chains' fingerprints (their exact rule text) and the jumps into them."""
     rules, builtin = parse_save(text, table)
-    ours = CHAINS[table]
-    chains: dict[str, Hashable] = {c: tuple(rules[c]) for c in ours if c in rules}
+    chains: dict[str, Hashable] = {c: tuple(rules[c]) for c in rules if is_ours(table, c)}
     jumps: list[Found] = []
     referenced: set[str] = set()
     for chain, specs in rules.items():
-        if chain in ours:
+        if chain in chains:
             continue
         for index, spec in enumerate(specs):
             targets = _TARGET.findall(spec)
-            if targets and targets[-1] in ours:
+            if targets and is_ours(table, targets[-1]):
                 if chain in builtin:
                     jumps.append(Found(chain, targets[-1], index, spec))
                 else:
@@ -218,7 +246,8 @@ class RestoreBackend:
     def _run(self, family: Family, tool: str, args: list[str], stdin: str | None = None) -> str:
         exe = binary(family, self.mode, tool)
         if exe is None:
-            raise PortalsError(f"{'ip6' if family == 6 else 'ip'}tables-{self.mode}-{tool} missing")
+            name = f"{'ip6' if family == 6 else 'ip'}tables-{self.mode}{'-' if tool else ''}{tool}"
+            raise PortalsError(f"{name} missing")
         try:
             done = subprocess.run(
                 [exe, *args],
@@ -245,13 +274,49 @@ class RestoreBackend:
         if self.mode == "legacy" and table not in legacy_tables(family):
             return TableView()
         generation = nft_generation() if self.mode == "nft" else None
+        view = view_of(self._run(family, "save", ["-t", table]), table)
+        self._remember(family, table, generation, view)
+        return view
+
+    def glance(self, family: Family, table: str, believed: TableView) -> TableView:
+        if self.mode == "legacy" and table not in legacy_tables(family):
+            return TableView()
+        generation = nft_generation() if self.mode == "nft" else None
         known = self._known.get((family, table))
         if generation is not None and known is not None and known[0] == generation:
-            return known[1]
-        view = view_of(self._run(family, "save", ["-t", table]), table)
+            return known[1]  # nobody committed anything since
+        chains = dict(believed.chains)
+        for chain in CHAINS[table]:
+            specs = self._chain(family, table, chain)
+            if specs is None:
+                chains.pop(chain, None)
+            else:
+                chains[chain] = specs
+        found: list[Found] = []
+        for builtin in sorted({j.chain for j in jumps(family) if j.table == table}):
+            for index, spec in enumerate(self._chain(family, table, builtin) or ()):
+                targets = _TARGET.findall(spec)
+                if targets and is_ours(table, targets[-1]):
+                    found.append(Found(builtin, targets[-1], index, spec))
+        view = TableView(chains, tuple(found), believed.referenced)
+        self._remember(family, table, generation, view)
+        return view
+
+    def _chain(self, family: Family, table: str, chain: str) -> tuple[str, ...] | None:
+        """One chain's rules as `iptables -S` prints them (iptables-nft reads that chain
+        alone); None when it does not exist or cannot be read."""
+        try:
+            out = self._run(family, "", ["-w", str(LOCK_WAIT_SECONDS), "-t", table, "-S", chain])
+        except PortalsError:
+            return None
+        head = f"-A {chain} "
+        return tuple(line[len(head) :] for line in out.splitlines() if line.startswith(head))
+
+    def _remember(
+        self, family: Family, table: str, generation: int | None, view: TableView
+    ) -> None:
         if generation is not None:
             self._known[(family, table)] = (generation, view)
-        return view
 
     def saved(self, family: Family, table: str) -> dict[str, tuple[str, ...]]:
         if binary(family, self.mode, "save") is None:
@@ -259,23 +324,24 @@ class RestoreBackend:
         if self.mode == "legacy" and table not in legacy_tables(family):
             return {}
         rules, _ = parse_save(self._run(family, "save", ["-t", table]), table)
-        return {chain: tuple(rules[chain]) for chain in CHAINS[table] if chain in rules}
+        return {chain: tuple(specs) for chain, specs in rules.items() if is_ours(table, chain)}
 
-    def commit(self, family: Family, table: str, ops: Sequence[Op]) -> TableView | None:
+    def commit(
+        self, family: Family, table: str, ops: Sequence[Op], base: TableView | None = None
+    ) -> TableView | None:
         text = restore_text(table, ops)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s restore input:\n%s", self.name, text)
         before = nft_generation() if self.mode == "nft" else None
         known = self._known.pop((family, table), None)
         self._run(family, "restore", ["--noflush", "-w", str(LOCK_WAIT_SECONDS)], text)
+        planned = known[1] if known is not None and known[0] == before else base
+        after = predict(planned, ops) if planned is not None else None
         if before is None or nft_generation() != before + 1:
-            return None  # someone else committed too: read again
+            return after  # someone else committed too: the next glance reads again
         for key, (generation, view) in list(self._known.items()):
             if generation == before:  # only our commit happened since that read
                 self._known[key] = (before + 1, view)
-        if known is None or known[0] != before:
-            return None
-        after = predict(known[1], ops)
         if after is not None:
             self._known[(family, table)] = (before + 1, after)
         return after

@@ -43,10 +43,13 @@ clients would be refused.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.model import Path, ProxiedPort, ServicePortName
@@ -59,15 +62,56 @@ HOST_NODEPORTS = "KUBE-NODEPORT-HOST"
 NON_LOCAL_NODEPORTS = "KUBE-NODEPORT-NON-LOCAL"
 PROXY_PORTS = "KUBE-PROXY-PORTS"
 
+CANARY = "KUBE-PORTALS-CANARY"
+"""An empty chain of ours in each table: gone means the table was flushed or reloaded."""
+
 NAT = "nat"
 FILTER = "filter"
 TABLES = (NAT, FILTER)
 CHAINS: dict[str, tuple[str, ...]] = {
-    NAT: (CONTAINER_PORTALS, HOST_PORTALS, CONTAINER_NODEPORTS, HOST_NODEPORTS),
-    FILTER: (NON_LOCAL_NODEPORTS, PROXY_PORTS),
+    NAT: (CONTAINER_PORTALS, HOST_PORTALS, CONTAINER_NODEPORTS, HOST_NODEPORTS, CANARY),
+    FILTER: (NON_LOCAL_NODEPORTS, PROXY_PORTS, CANARY),
 }
-"""Our chains per table, in the order they are declared."""
+"""Our fixed chains per table, in the order they are declared: the entry chains that the
+built-in chains jump to (each holds only jumps to its shards), and the canary."""
 OUR_CHAINS = frozenset(c for chains in CHAINS.values() for c in chains)
+SHARDED = (
+    CONTAINER_PORTALS,
+    HOST_PORTALS,
+    CONTAINER_NODEPORTS,
+    HOST_NODEPORTS,
+    NON_LOCAL_NODEPORTS,
+    PROXY_PORTS,
+)
+SHARDS = 256
+"""Each service port's rules go to shard `crc32(name) % SHARDS` of each entry chain, e.g.
+KUBE-PORTALS-CONTAINER-3F: one change rewrites a chain of ~N/256 rules, never the whole
+table's (`iptables-nft-restore` loads a chain whole to delete a rule from it)."""
+_TABLE_OF = {chain: table for table in TABLES for chain in CHAINS[table] if chain != CANARY}
+_SHARD = re.compile(r"(.+)-([0-9A-F]{2})")
+
+
+def shard_of(name: ServicePortName) -> int:
+    """The shard of a service port: stable across runs and Python processes."""
+    key = f"{name.namespace}/{name.name}:{name.port}/{name.protocol}"
+    return zlib.crc32(key.encode()) % SHARDS
+
+
+def shard_chain(base: str, shard: int) -> str:
+    """The chain of `shard` under the entry chain `base`, e.g. KUBE-PORTALS-HOST-0A."""
+    return f"{base}-{shard:02X}"
+
+
+def base_chain(chain: str) -> str:
+    """The entry chain a shard belongs to; any other name is returned as it is."""
+    m = _SHARD.fullmatch(chain)
+    return m[1] if m is not None and m[1] in SHARDED else chain
+
+
+def is_ours(table: str, chain: str) -> bool:
+    """True for our chains of `table`: the fixed ones and every shard."""
+    return chain in CHAINS[table] or _TABLE_OF.get(base_chain(chain)) == table
+
 
 log = logs.get(__name__)
 
@@ -81,6 +125,7 @@ _WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 """Bind addresses meaning every local address (of the families `served_families` gives)."""
 
 
+@functools.lru_cache(maxsize=64)
 def served_families(bind_address: str) -> frozenset[Family]:
     """The address families that proxy ports bound to `bind_address` accept connections of.
 
@@ -179,9 +224,22 @@ class Rule:
         return f"-A {self.chain} {self.spec}"
 
     @property
+    def to_chain(self) -> bool:
+        """True when the target is one of our chains (a jump), not an iptables target."""
+        return is_ours(self.table, self.target)
+
+    @property
     def is_jump(self) -> bool:
         """True for the built-in chain rules that send packets into our chains."""
-        return self.target in OUR_CHAINS
+        return self.to_chain and not is_ours(self.table, self.chain)
+
+
+def shard_jump(family: Family, table: str, base: str, shard: int) -> Rule:
+    """The rule of an entry chain that sends its packets on to one of its shards."""
+    chain = shard_chain(base, shard)
+    return Rule(family, table, base, chain, f"service ports of shard {shard:02X}",
+                why=f"on to {chain}: the rules of the service ports whose name hashes to"
+                f" {shard:02X}")  # fmt: skip
 
 
 def jumps(family: Family) -> list[Rule]:
@@ -246,77 +304,74 @@ class Settings:
         return sorted(set(dsts), key=dsts.index)
 
 
+_Match = dict[str, Any]
+"""The fields of a portal rule's match part (family, table, comment, protocol, dst, dport,
+and perhaps physdev_not_in or dst_local), to build its rules from."""
+
+
+@functools.lru_cache(maxsize=64)
+def _host_ip(settings: Settings, family: Family) -> str:
+    return settings.host_ip(family)
+
+
 class _Renderer:
     """Accumulates the rules of one service port after another, skipping duplicates."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, shard: int = -1) -> None:
         self.s = settings
+        self.shard = shard
+        """Rules go to this shard of each entry chain (-1: to the entry chains themselves)."""
         self.rules: list[Rule] = []
         self.skipped: list[tuple[ServicePortName, str]] = []
         """ClusterIPs left without rules because the proxy ports do not serve their family."""
         self._seen: set[Rule] = set()
+
+    def ch(self, base: str) -> str:
+        """The chain a rule of entry chain `base` goes to."""
+        return base if self.shard < 0 else shard_chain(base, self.shard)
 
     def add(self, rule: Rule) -> None:
         if rule not in self._seen:
             self._seen.add(rule)
             self.rules.append(rule)
 
-    def cached(self, pp: ProxiedPort, cache: dict[ProxiedPort, list[Rule]]) -> list[Rule]:
-        """The rules of one port, rendered once per distinct ProxiedPort."""
-        rules = cache.get(pp)
-        if rules is None:
-            sub = _Renderer(self.s)
-            try:
-                sub.port(pp)
-            except ValueError as exc:  # one bad port never fails the whole table's commit
-                log.error("no rules for service port %r: %s", str(pp.info.name)[:300], exc)
-                sub.rules = []
-            rules = cache[pp] = sub.rules
-            self.skipped += sub.skipped
-        return rules
-
-    def container(self, match: Rule, chain: str, to_port: int, why: str) -> None:
+    def container(self, match: _Match, chain: str, to_port: int, why: str) -> None:
         """A rule for arriving packets: REDIRECT, or DNAT to a specific bind address."""
-        bind = self.s.bind_address
+        bind, chain = self.s.bind_address, self.ch(chain)
         if bind in _WILDCARDS:
-            self.add(replace(match, chain=chain, target="REDIRECT", to_port=to_port, why=why))
+            self.add(Rule(chain=chain, target="REDIRECT", to_port=to_port, why=why, **match))
         else:
             self.add(
-                replace(match, chain=chain, target="DNAT", to_port=to_port, to_addr=bind, why=why)
+                Rule(chain=chain, target="DNAT", to_port=to_port, to_addr=bind, why=why, **match)
             )
 
-    def host(self, match: Rule, chain: str, to_port: int, why: str) -> None:
+    def host(self, match: _Match, chain: str, to_port: int, why: str) -> None:
         """A rule for the node's own packets: DNAT to the node IP (or the bind address)."""
-        to_addr = self.s.host_ip(match.family)
+        to_addr, chain = _host_ip(self.s, match["family"]), self.ch(chain)
         if to_addr:
+            why = f"{why} via {to_addr}"
             self.add(
-                replace(
-                    match,
-                    chain=chain,
-                    target="DNAT",
-                    to_port=to_port,
-                    to_addr=to_addr,
-                    why=f"{why} via {to_addr}",
-                )
+                Rule(chain=chain, target="DNAT", to_port=to_port, to_addr=to_addr, why=why, **match)
             )
 
-    def match(self, ip: str, pp: ProxiedPort) -> Rule | None:
+    def match(self, ip: str, pp: ProxiedPort) -> _Match | None:
         """The match part of a portal rule for `ip`, or None if this proxy cannot serve it."""
-        family = ip_family(ip)
-        if family is None or not self.s.serves(family):
+        try:
+            addr = ipaddress.ip_address(ip)
+        except ValueError:
+            return None
+        family: Family = addr.version
+        if family not in served_families(self.s.bind_address):
             return None
         info = pp.info
-        dst = f"{ipaddress.ip_address(ip)}/{32 if family == 4 else 128}"
-        return Rule(
-            family,
-            NAT,
-            "",
-            "",
-            str(info.name),
-            protocol=info.protocol.lower(),
-            dst=dst,
-            dport=info.port,
-        )
+        return {
+            "family": family,
+            "table": NAT,
+            "comment": str(info.name),
+            "protocol": info.protocol.lower(),
+            "dst": f"{addr}/{32 if family == 4 else 128}",
+            "dport": info.port,
+        }
 
     def port(self, pp: ProxiedPort) -> None:
         info, name, cport, ext = pp.info, str(pp.info.name), pp.cluster_port, pp.external_port
@@ -333,14 +388,14 @@ class _Renderer:
                 if ip_family(ip) is not None:
                     self.skipped.append((info.name, ip))
                 continue
-            families.add(m.family)
+            families.add(m["family"])
             at = f"{proto} to ClusterIP {join_host_port(ip, info.port)} ({name})"
             self.container(m, CONTAINER_PORTALS, cport, f"from pods: {at} -> proxy port {cport}")
             self.host(m, HOST_PORTALS, cport, f"from this node: {at} -> proxy port {cport}")
         if ext == 0:
             return
         for ip in info.load_balancer_ips:
-            if (m := self.match(ip, pp)) is None or m.family not in families:
+            if (m := self.match(ip, pp)) is None or m["family"] not in families:
                 continue
             at = f"{proto} to LoadBalancer IP {join_host_port(ip, info.port)} ({name})"
             self.container(
@@ -348,12 +403,12 @@ class _Renderer:
             )
             self.host(m, HOST_PORTALS, ext, f"from this node: {at} -> proxy port {ext}")
         for ip in info.external_ips:
-            if (m := self.match(ip, pp)) is None or m.family not in families:
+            if (m := self.match(ip, pp)) is None or m["family"] not in families:
                 continue
             at = f"{proto} to external IP {join_host_port(ip, info.port)} ({name})"
             if self.s.physdev:
                 self.container(
-                    replace(m, physdev_not_in=True),
+                    {**m, "physdev_not_in": True},
                     CONTAINER_PORTALS,
                     ext,
                     f"from the network (not via a bridge port): {at} -> proxy port {ext}",
@@ -365,7 +420,7 @@ class _Renderer:
                     ext,
                     f"from pods and the network: {at} -> proxy port {ext}",
                 )
-            local = replace(m, dst_local=True)
+            local: _Match = {**m, "dst_local": True}
             self.container(
                 local,
                 CONTAINER_PORTALS,
@@ -389,7 +444,7 @@ class _Renderer:
         else:
             reject = "icmp6-port-unreachable" if family == 6 else "icmp-port-unreachable"
         self.add(
-            Rule(family, FILTER, PROXY_PORTS, "REJECT", str(pp.info.name), protocol=proto,
+            Rule(family, FILTER, self.ch(PROXY_PORTS), "REJECT", str(pp.info.name), protocol=proto,
                  dport=port, reject_with=reject,
                  why=f"refuse {proto.upper()} connections made straight to proxy port {port}"
                  f" ({pp.info.name}): only the nat rules may send traffic there")
@@ -402,7 +457,14 @@ class _Renderer:
         for dst in dsts:
             where = f"local addresses in {dst}" if dst else "any local address"
             at = f"{proto.upper()} to NodePort {np} on {where} ({name})"
-            m = Rule(family, NAT, "", "", name, protocol=proto, dst=dst, dport=np)
+            m: _Match = {
+                "family": family,
+                "table": NAT,
+                "comment": name,
+                "protocol": proto,
+                "dst": dst,
+                "dport": np,
+            }
             self.container(
                 m, CONTAINER_NODEPORTS, ext, f"from pods and the network: {at} -> proxy port {ext}"
             )
@@ -412,7 +474,7 @@ class _Renderer:
                 Rule(
                     family,
                     FILTER,
-                    NON_LOCAL_NODEPORTS,
+                    self.ch(NON_LOCAL_NODEPORTS),
                     "ACCEPT",
                     name,
                     protocol=proto,
@@ -425,65 +487,18 @@ class _Renderer:
             )
 
 
-def _order(pp: ProxiedPort) -> tuple[str, str, str, str]:
-    n = pp.info.name  # a plain tuple sorts in C; the dataclass's generated __lt__ does not
-    return (n.namespace, n.name, n.port, n.protocol)
-
-
-def render(
-    ports: Iterable[ProxiedPort],
-    settings: Settings,
-    *,
-    families: Iterable[Family] = (),
-    cache: dict[ProxiedPort, list[Rule]] | None = None,
-    skipped: list[tuple[ServicePortName, str]] | None = None,
-) -> list[Rule]:
-    """Every rule for `ports`: the built-in chain jumps of each family in use, then our chains.
-
-    Ordered by family, table, then service port name; duplicates dropped. A family is in use
-    when a rule needs it or it is listed in `families` and served (else the first family
-    served). `cache` keeps each port's rules between calls with the same settings (the caller
-    drops stale entries). `skipped` receives (service port, ClusterIP) for each ClusterIP of an
-    unserved family, from the ports rendered afresh (not from `cache`).
-    """
-    r = _Renderer(settings)
-    memo: dict[ProxiedPort, list[Rule]] = {} if cache is None else cache
-    for pp in sorted(ports, key=_order):
-        for rule in r.cached(pp, memo):
-            r.add(rule)
-    if skipped is not None:
-        skipped.extend(r.skipped)
-    served = served_families(settings.bind_address)
-    used = {f for f in families if f in served} | {rule.family for rule in r.rules}
-    used = used or set(sorted(served)[:1])
-    out: list[Rule] = []
-    for family in sorted(used):
-        for table in TABLES:
-            out += [j for j in jumps(family) if j.table == table]
-            out += [rule for rule in r.rules if rule.family == family and rule.table == table]
-    return out
-
-
-def explain(
-    ports: Iterable[ProxiedPort],
-    *,
-    node_ips: Sequence[str] = (),
-    bind_address: str = "0.0.0.0",
-    nodeport_addresses: Sequence[str] = (),
-    physdev: bool = True,
-    guard: bool = True,
-) -> list[tuple[str, str]]:
-    """(iptables-save line, one-line explanation) for every rule, for `rules` and the demo.
-
-    The explanation names the table when it is not nat and the family when it is IPv6.
-    """
-    settings = Settings(tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev, guard)
-    out = []
-    for rule in render(ports, settings, families={ip_family(ip) or 4 for ip in node_ips}):
-        tags = ["IPv6"] if rule.family == 6 else []
-        tags += ["filter table"] if rule.table == FILTER else []
-        out.append((rule.line, (" ".join(tags) + ": " if tags else "") + rule.why))
-    return out
+def render_port(
+    pp: ProxiedPort, settings: Settings
+) -> tuple[tuple[Rule, ...], list[tuple[ServicePortName, str]]]:
+    """One service port's rules, in its shard of each entry chain, without duplicates; and
+    (service port, ClusterIP) for each ClusterIP of a family the proxy ports do not serve."""
+    r = _Renderer(settings, shard_of(pp.info.name))
+    try:
+        r.port(pp)
+    except ValueError as exc:  # one bad port never fails the whole table's commit
+        log.error("no rules for service port %r: %s", str(pp.info.name)[:300], exc)
+        r.rules = []
+    return tuple(r.rules), r.skipped
 
 
 ClaimKey = tuple[str, str, str]
@@ -497,8 +512,9 @@ _TO_PORT = re.compile(r" (?:--to-ports |--to-destination \S*:)(\d+)(?: |$)")
 def claimed(saved: Iterable[tuple[str, str]]) -> dict[ClaimKey, int]:
     """The proxy port of each service port's path, from (chain, spec) pairs as saved.
 
-    Reads the portal and NodePort rules of the container chains (`spec` as `iptables-save`
-    prints it after `-A CHAIN`), in kernel order. NodePort rules and the physdev/LOCAL external
+    Reads the portal and NodePort rules of the container chains' shards (or of the chains
+    themselves, as releases before the shards wrote them; `spec` as `iptables-save` prints it
+    after `-A CHAIN`), in kernel order. NodePort rules and the physdev/LOCAL external
     IP variants point at the external port. A plain portal rule is a ClusterIP's or, just the
     same, a LoadBalancer IP's (or an external IP's without physdev): its port is the cluster
     port unless it is the external one; with two such ports and no other external rule (a
@@ -507,7 +523,8 @@ def claimed(saved: Iterable[tuple[str, str]]) -> dict[ClaimKey, int]:
     """
     plain: dict[tuple[str, str], list[int]] = {}
     external: dict[tuple[str, str], int] = {}
-    for chain, spec in saved:
+    for saved_chain, spec in saved:
+        chain = base_chain(saved_chain)
         if chain not in (CONTAINER_PORTALS, CONTAINER_NODEPORTS):
             continue
         comment, protocol, port = (

@@ -1,0 +1,209 @@
+"""The whole desired rule set, kept per service port and per shard, updated for changed ports.
+
+Every sync hands over all service ports, but `Desired.update` renders only those whose
+`ProxiedPort` changed (the proxier keeps an unchanged Service's `info` object, so most are
+passed over by identity; equal copies by comparison), and rebuilds only the shard chains
+those ports live in, plus an entry chain's jumps when one of its shards appears or empties.
+One changed Service among 10,000 costs a few shards' work; the chains of every other shard
+stay the very same tuples, which the planner then compares by identity.
+
+`render` and `explain` give the same rules as one list (the `rules` subcommand, tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kube_userspace_proxy.model import ProxiedPort, ServicePortName
+from kube_userspace_proxy.netutil import Family, ip_family
+from kube_userspace_proxy.portals.plan import TableRules
+from kube_userspace_proxy.portals.rules import (
+    CHAINS,
+    FILTER,
+    TABLES,
+    Rule,
+    Settings,
+    base_chain,
+    jumps,
+    render_port,
+    served_families,
+    shard_jump,
+)
+
+_ChainKey = tuple[Family, str, str]
+"""(family, table, chain)."""
+
+
+def _order(name: ServicePortName) -> tuple[str, str, str, str]:
+    return (name.namespace, name.name, name.port, name.protocol)  # a plain tuple sorts in C
+
+
+class Desired:
+    """The rules wanted for the service ports last given, grouped by table and chain."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.skipped: list[tuple[ServicePortName, str]] = []
+        """ClusterIPs of unserved families, from the ports rendered by the last update."""
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ports: dict[ServicePortName, ProxiedPort] = {}
+        self._rules: dict[ServicePortName, tuple[Rule, ...]] = {}
+        self._members: dict[_ChainKey, dict[ServicePortName, tuple[Rule, ...]]] = {}
+        self._shards: dict[tuple[Family, str], dict[str, tuple[Rule, ...]]] = {}
+        self._entries: dict[_ChainKey, dict[int, Rule]] = {}
+        """Per entry chain, the jump to each of its shards in use."""
+        self._entry_rules: dict[_ChainKey, tuple[Rule, ...]] = {}
+        self._builtin: dict[Family, list[Rule]] = {}
+
+    def set_settings(self, settings: Settings) -> None:
+        """New node facts: every port is rendered again by the next update."""
+        if settings != self.settings:
+            self.settings = settings
+            self._reset()
+
+    def names(self) -> Iterable[ServicePortName]:
+        """The service ports of the last update."""
+        return self._ports.keys()
+
+    def update(self, ports: Iterable[ProxiedPort]) -> int:
+        """Bring the desired rules to `ports` (all of them); how many ports changed."""
+        self.skipped = []
+        old = self._ports
+        new: dict[ServicePortName, ProxiedPort] = {}
+        changed: list[ProxiedPort] = []
+        kept = 0
+        for pp in ports:
+            new[pp.info.name] = pp
+            prev = old.get(pp.info.name)
+            if prev is not None:
+                kept += 1
+            if (
+                prev is None
+                or prev.cluster_port != pp.cluster_port
+                or prev.external_port != pp.external_port
+                or (prev.info is not pp.info and prev.info != pp.info)
+            ):
+                changed.append(pp)
+        removed = old.keys() - new.keys() if kept < len(old) else set()
+        self._ports = new
+        dirty: set[_ChainKey] = set()
+        for name in removed:
+            self._forget(name, dirty)
+        for pp in changed:
+            name = pp.info.name
+            self._forget(name, dirty)
+            rules, skipped = render_port(pp, self.settings)
+            self.skipped += skipped
+            self._rules[name] = rules
+            by_chain: dict[_ChainKey, list[Rule]] = {}
+            for rule in rules:
+                by_chain.setdefault((rule.family, rule.table, rule.chain), []).append(rule)
+            for key, chain_rules in by_chain.items():
+                self._members.setdefault(key, {})[name] = tuple(chain_rules)
+                dirty.add(key)
+        for key in dirty:
+            self._rebuild(key)
+        return len(changed) + len(removed)
+
+    def _forget(self, name: ServicePortName, dirty: set[_ChainKey]) -> None:
+        for rule in self._rules.pop(name, ()):
+            key = (rule.family, rule.table, rule.chain)
+            if self._members.get(key, {}).pop(name, None) is not None:
+                dirty.add(key)
+
+    def _rebuild(self, key: _ChainKey) -> None:
+        family, table, chain = key
+        shards = self._shards.setdefault((family, table), {})
+        members = self._members.get(key)
+        base = base_chain(chain)
+        entry = self._entries.setdefault((family, table, base), {})
+        index = int(chain[-2:], 16)
+        if members:
+            names = sorted(members, key=_order)
+            shards[chain] = tuple(rule for name in names for rule in members[name])
+            if index in entry:
+                return
+            entry[index] = shard_jump(family, table, base, index)
+        else:
+            self._members.pop(key, None)
+            shards.pop(chain, None)
+            if entry.pop(index, None) is None:
+                return
+        self._entry_rules[(family, table, base)] = tuple(entry[i] for i in sorted(entry))
+
+    def families(self, wanted: Iterable[Family]) -> list[Family]:
+        """The families to hold rules: those served among `wanted`, and any a rule needs."""
+        served = served_families(self.settings.bind_address)
+        used = {f for f in wanted if f in served}
+        used |= {f for (f, _), shards in self._shards.items() if shards}
+        return sorted(used or set(sorted(served)[:1]))
+
+    def tables(self, families: Iterable[Family]) -> dict[tuple[Family, str], TableRules]:
+        """The desired content of each table of the families in use (see `families`)."""
+        out: dict[tuple[Family, str], TableRules] = {}
+        for family in self.families(families):
+            builtin = self._builtin.get(family)
+            if builtin is None:
+                builtin = self._builtin[family] = jumps(family)
+            for table in TABLES:
+                chains: dict[str, tuple[Rule, ...]] = {
+                    c: self._entry_rules.get((family, table, c), ()) for c in CHAINS[table]
+                }
+                chains.update(self._shards.get((family, table), {}))
+                table_jumps = tuple(j for j in builtin if j.table == table)
+                out[(family, table)] = TableRules(family, table, chains, table_jumps)
+        return out
+
+    def rules(self, families: Iterable[Family]) -> list[Rule]:
+        """Every desired rule as one list: per family and table, the built-in chains' jumps,
+        the entry chains' jumps to their shards, then the shards in name order."""
+        out: list[Rule] = []
+        for want in self.tables(families).values():
+            out += want.jumps
+            for chain in CHAINS[want.table]:
+                out += want.chains[chain]
+            shards = sorted(c for c in want.chains if c not in CHAINS[want.table])
+            for chain in shards:
+                out += want.chains[chain]
+        return out
+
+
+def render(
+    ports: Iterable[ProxiedPort],
+    settings: Settings,
+    *,
+    families: Iterable[Family] = (),
+    skipped: list[tuple[ServicePortName, str]] | None = None,
+) -> list[Rule]:
+    """Every rule for `ports` (see `Desired.rules`). A family is in use when a rule needs it
+    or it is listed in `families` and served (else the first family served). `skipped`
+    receives (service port, ClusterIP) for each ClusterIP of an unserved family."""
+    desired = Desired(settings)
+    desired.update(ports)
+    if skipped is not None:
+        skipped.extend(desired.skipped)
+    return desired.rules(families)
+
+
+def explain(
+    ports: Iterable[ProxiedPort],
+    *,
+    node_ips: Sequence[str] = (),
+    bind_address: str = "0.0.0.0",
+    nodeport_addresses: Sequence[str] = (),
+    physdev: bool = True,
+    guard: bool = True,
+) -> list[tuple[str, str]]:
+    """(iptables-save line, one-line explanation) for every rule, for `rules` and the demo.
+
+    The explanation names the table when it is not nat and the family when it is IPv6.
+    """
+    settings = Settings(tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev, guard)
+    out = []
+    for rule in render(ports, settings, families={ip_family(ip) or 4 for ip in node_ips}):
+        tags = ["IPv6"] if rule.family == 6 else []
+        tags += ["filter table"] if rule.table == FILTER else []
+        out.append((rule.line, (" ".join(tags) + ": " if tags else "") + rule.why))
+    return out
