@@ -117,6 +117,8 @@ class OpsServer:
         """Each site's connection counts (open, refused over the cap, closed for a late header)."""
         self.healthz_address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
+        self.listening: list[tuple[tuple[str, int], socket.socket]] = []
+        """(the configured address, its listening socket): what a handover passes on."""
 
     @property
     def healthz_port(self) -> int | None:
@@ -262,8 +264,13 @@ async def start_ops(
     configz: Callable[[], Mapping[str, Any]],
     collect: Collector = _nothing_to_collect,
     rules: RuleSource | None = None,
+    adopted: Mapping[tuple[str, int], socket.socket] | None = None,
 ) -> OpsServer:
-    """Bind and start both sites; raises PortInUseError or ConfigError before serving anything."""
+    """Bind and start both sites; raises PortInUseError or ConfigError before serving anything.
+
+    `adopted`: listening sockets a process this one replaces handed over, by the address it
+    was configured with; a site whose address (with a fixed port) is among them serves it.
+    """
     healthz_at = parse_bind_address(
         healthz_bind, default_port=DEFAULT_HEALTHZ_PORT, flag=HEALTHZ_FLAG
     )
@@ -273,11 +280,20 @@ async def start_ops(
     # Bind both first, so a taken port fails the start before anything is served.
     sockets: list[socket.socket] = []
     server = OpsServer()
+    inherited = dict(adopted or {})
+
+    def bind(address: tuple[str, int], flag: str, what: str) -> socket.socket:
+        sock = inherited.pop(address, None) if address[1] else None
+        if sock is None:
+            sock = _listen(address, flag=flag, what=what)
+        server.listening.append((address, sock))
+        return sock
+
     try:
         if healthz_at is not None:
-            sockets.append(_listen(healthz_at, flag=HEALTHZ_FLAG, what="health checks"))
+            sockets.append(bind(healthz_at, HEALTHZ_FLAG, "health checks"))
         if metrics_at is not None:
-            sockets.append(_listen(metrics_at, flag=METRICS_FLAG, what="metrics"))
+            sockets.append(bind(metrics_at, METRICS_FLAG, "metrics"))
         pending = iter(sockets)
         if healthz_at is not None:
             app = _health_app(health, metrics)

@@ -129,6 +129,11 @@ class PortAllocator:
             return 0 < port <= _MAX_PORT
         return self.port_range[0] <= port <= self.port_range[1]
 
+    def adopt(self, protocol: Protocol, sock: socket.socket) -> socket.socket:
+        """Count a bound socket another process handed over as handed out here; returns it."""
+        self._taken[protocol].add(sock.getsockname()[1])
+        return sock
+
     def release(self, protocol: Protocol, port: int) -> None:
         """Forget a port handed out by `reserve` (the caller closes the socket)."""
         self._taken[protocol].discard(port)

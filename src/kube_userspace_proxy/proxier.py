@@ -61,6 +61,15 @@ class Listener(TypingProtocol):
         """Stop accepting and release the port; open connections go on."""
         ...
 
+    async def release(self) -> None:
+        """Stop serving and close this process's descriptor only, leaving the socket as it
+        is to the process it was handed over to; open connections go on."""
+        ...
+
+    def fileno(self) -> int:
+        """The descriptor of the served socket, to hand it over; -1 once closed."""
+        ...
+
     async def drain(self, timeout: float) -> None:  # noqa: ASYNC109 - the contract's shape
         """Give open connections `timeout` seconds, then close them."""
         ...
@@ -79,9 +88,16 @@ class DataPlane(TypingProtocol):
     """True when other processes join the proxy ports with SO_REUSEPORT (UDP binds with it)."""
 
     def listener(
-        self, sock: socket.socket, pool: EndpointPool, stats: ConnStats, name: str
+        self,
+        sock: socket.socket,
+        pool: EndpointPool,
+        stats: ConnStats,
+        name: str,
+        *,
+        adopt: bool = False,
     ) -> Listener:
-        """A listener for the bound socket `sock` (the data plane owns it from now on)."""
+        """A listener for the bound socket `sock` (the data plane owns it from now on);
+        `adopt`: a socket handed over by an earlier process, used as it is."""
         ...
 
     async def publish(self) -> None:
@@ -110,10 +126,18 @@ class LocalDataPlane:
         self.tcp_keepalive = tcp_keepalive
 
     def listener(
-        self, sock: socket.socket, pool: EndpointPool, stats: ConnStats, name: str
+        self,
+        sock: socket.socket,
+        pool: EndpointPool,
+        stats: ConnStats,
+        name: str,
+        *,
+        adopt: bool = False,
     ) -> Listener:
         if sock.type == socket.SOCK_STREAM:
-            return TcpListener(sock, pool, stats, name=name, keepalive=self.tcp_keepalive)
+            return TcpListener(
+                sock, pool, stats, name=name, keepalive=self.tcp_keepalive, adopt=adopt
+            )
         return UdpListener(sock, pool, stats, name=name, idle_timeout=self.udp_idle_timeout)
 
     async def publish(self) -> None:
@@ -133,6 +157,8 @@ _local: DataPlane = LocalDataPlane()  # conformance: LocalDataPlane is a DataPla
 
 ClaimKey = tuple[str, str, str]
 """(`ns/name:port`, protocol, path): how installed rules name the proxy port they target."""
+NodePortKey = tuple[str, str, int]
+"""(protocol, address, NodePort) of a NodePort socket."""
 
 
 class RuleSink(TypingProtocol):
@@ -209,12 +235,45 @@ class Proxier:
         # ports until the first commit; None until they have been read.
         self._claims: dict[ClaimKey, socket.socket] | None = None
         self._preferred: dict[ClaimKey, int] = {}
+        # Sockets an earlier process handed over (`adopt`), used instead of binding anew.
+        self._adopted_claims: dict[ClaimKey, socket.socket] = {}
+        self._adopted_node_ports: dict[NodePortKey, socket.socket] = {}
+        self._adopted: set[int] = set()  # their descriptors, until a listener takes them
         self.node_name: str | None = None
 
     def prefer_ports(self, ports: dict[ClaimKey, int]) -> None:
         """Before the first sync: serve these service ports on these proxy ports if free
         (an earlier run's, from the state file; the installed rules' win over them)."""
         self._preferred = dict(ports)
+
+    def adopt(
+        self,
+        claims: dict[ClaimKey, socket.socket],
+        node_ports: dict[NodePortKey, socket.socket],
+    ) -> None:
+        """Before the first sync: serve on these sockets, handed over by the process this one
+        replaces, instead of binding new ones (same sockets: same backlogs, same groups)."""
+        self._adopted_claims = dict(claims)
+        self._adopted_node_ports = dict(node_ports)
+        self._adopted = {s.fileno() for s in (*claims.values(), *node_ports.values())}
+
+    def handover_sockets(self) -> list[tuple[list[Any], int]]:
+        """What this process serves, to hand over: (description, descriptor) per socket.
+
+        ["port", "ns/name:port", protocol, path] for a proxy port;
+        ["nodeport", protocol, address, port] for a NodePort socket.
+        """
+        out: list[tuple[list[Any], int]] = []
+        for name, served in self._served.items():
+            protocol = str(name.protocol)
+            for path, listener in served.listeners.items():
+                if listener.fileno() >= 0:
+                    out.append((["port", str(name), protocol, str(path)], listener.fileno()))
+            for address, listener in served.node_port_listeners:
+                if listener.fileno() >= 0:
+                    entry = ["nodeport", protocol, address, served.node_port]
+                    out.append((entry, listener.fileno()))
+        return out
 
     def served_ports(self) -> dict[ClaimKey, int]:
         """The proxy port of each served (service port, protocol, path), for the state file."""
@@ -364,6 +423,9 @@ class Proxier:
         throughout, and no other service port can receive its traffic meanwhile.
         """
         self._claims = {}
+        for key, sock in self._adopted_claims.items():
+            self._claims[key] = self._allocator.adopt(Protocol(key[1]), sock)
+        self._adopted_claims = {}
         # The state file's ports first, the installed rules' over them: rules carry traffic.
         claimed = dict(self._preferred)
         if self._portals is not None:
@@ -372,6 +434,8 @@ class Proxier:
             except Exception as exc:
                 log.warning("cannot read the installed rules' proxy ports: %s", exc)
         for key, port in sorted(claimed.items()):
+            if key in self._claims:
+                continue  # handed over
             protocol = Protocol(key[1])
             try:
                 sock = self._allocator.reserve(protocol, name=key[0], prefer=port)
@@ -416,7 +480,9 @@ class Proxier:
     def _make_listener(
         self, sock: socket.socket, pool: EndpointPool, stats: ConnStats, name: str
     ) -> Listener:
-        return self._dataplane.listener(sock, pool, stats, name)
+        adopt = sock.fileno() in self._adopted
+        self._adopted.discard(sock.fileno())
+        return self._dataplane.listener(sock, pool, stats, name, adopt=adopt)
 
     def _update_endpoints(self, served: _Served, snapshot: Snapshot) -> None:
         info = served.info
@@ -446,6 +512,14 @@ class Proxier:
         addresses = self._node_port_addresses()
         self._budget.take(f"its NodePort {info.protocol}/{info.node_port}", len(addresses))
         for address in addresses:
+            adopted = self._adopted_node_ports.pop(
+                (str(info.protocol), address, info.node_port), None
+            )
+            if adopted is not None:
+                listener = self._make_listener(adopted, pool, served.stats, str(info.name))
+                served.node_port_listeners.append((address, listener))
+                await listener.start()
+                continue
             family = socket.AF_INET6 if ":" in address else socket.AF_INET
             sock = socket.socket(family, kind)
             try:
@@ -520,16 +594,25 @@ class Proxier:
             log.error("%s: %s", name, message)
         self._errors[name] = message
 
-    async def shutdown(self, grace: float) -> None:
-        """Stop accepting everywhere, then give open connections `grace` seconds to finish."""
+    async def shutdown(self, grace: float, *, release: bool = False) -> None:
+        """Stop accepting everywhere, then give open connections `grace` seconds to finish.
+
+        `release`: the sockets were handed over to a new process: close only this process's
+        descriptors, leaving them as they are for it (`Listener.release`).
+        """
         listeners = [lst for served in self._served.values() for lst in served.every_listener()]
-        await asyncio.gather(*(lst.close() for lst in listeners), return_exceptions=True)
+        await asyncio.gather(
+            *(lst.release() if release else lst.close() for lst in listeners),
+            return_exceptions=True,
+        )
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
         listeners.extend(self._retired)
         await asyncio.gather(*(lst.drain(grace) for lst in listeners), return_exceptions=True)
         if self._claims:
             self._drop_claims()
+        for sock in (*self._adopted_claims.values(), *self._adopted_node_ports.values()):
+            sock.close()  # handed over and never used: this descriptor only
         self._served.clear()
         self._retired.clear()
 

@@ -13,6 +13,7 @@ import json
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -33,6 +34,7 @@ class _Instance:
     port: int
     endpoints: int = 0
     runners: list[web.AppRunner] = field(default_factory=list)
+    sockets: list[tuple[str, socket.socket]] = field(default_factory=list)
 
 
 def wanted(snapshot: Snapshot) -> dict[ServiceName, tuple[int, int]]:
@@ -73,6 +75,21 @@ class ServiceHealthServers:
         self._health = health
         self._addresses = addresses
         self._services: dict[ServiceName, _Instance] = {}
+        self._adopted: dict[tuple[str, int], socket.socket] = {}
+
+    def adopt(self, sockets: dict[tuple[str, int], socket.socket]) -> None:
+        """Listening sockets (address, port) a process this one replaces handed over; served
+        instead of binding anew when a Service asks for that port."""
+        self._adopted.update(sockets)
+
+    def handover_sockets(self) -> list[tuple[list[Any], int]]:
+        """(["health", address, port], descriptor) for every health-check socket served."""
+        return [
+            (["health", address, instance.port], sock.fileno())
+            for instance in self._services.values()
+            for address, sock in instance.sockets
+            if sock.fileno() >= 0
+        ]
 
     @property
     def ports(self) -> dict[str, int]:
@@ -107,15 +124,21 @@ class ServiceHealthServers:
             instance.endpoints = count
 
     async def close(self) -> None:
-        """Close every health-check server."""
+        """Close every health-check server (and handed-over sockets never served)."""
         services, self._services = self._services, {}
         for instance in services.values():
             await _close(instance)
+        for sock in self._adopted.values():
+            sock.close()
+        self._adopted.clear()
 
     async def _open(self, instance: _Instance) -> None:
         try:
             for address in self._addresses():
-                sock = _listen(address, instance.port)
+                sock = self._adopted.pop((address, instance.port), None) or _listen(
+                    address, instance.port
+                )
+                instance.sockets.append((address, sock))
                 runner = web.AppRunner(self._app(instance), access_log=None, shutdown_timeout=0.5)
                 await runner.setup()
                 instance.runners.append(runner)

@@ -22,9 +22,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kube_userspace_proxy import channel, logs
+from kube_userspace_proxy import channel, fdpass, logs
 from kube_userspace_proxy.balancer import PINS_SHOWN, EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
+from kube_userspace_proxy.dataplane.tcp import is_listening
 from kube_userspace_proxy.model import Endpoint, Protocol, ServicePortName
 
 log = logs.get(__name__)
@@ -33,6 +34,8 @@ Key = tuple[str, str, int]
 """(protocol, host, port) of one served socket."""
 Address = tuple[str, int]
 COUNTERS = tuple(f.name for f in dataclasses.fields(ConnStats))
+HANDOVER_TIMEOUT = 60.0
+"""Seconds a worker waits for its predecessor's sockets (the old process may be busy)."""
 
 
 class _Pool(EndpointPool):
@@ -76,6 +79,8 @@ class Worker:
         self._routes: dict[Key, tuple[int, ...]] = {}
         self._group_socks: dict[Key, socket.socket] = {}
         self._retired: list[TcpListener | UdpListener] = []
+        # Sockets the same slot's worker of the process this one replaces handed over.
+        self._adopted: dict[Key, socket.socket] = {}
         self.udp_idle_timeout = 0.25
         self.tcp_keepalive = 15.0
 
@@ -106,8 +111,12 @@ class Worker:
                     EndpointPool.dial_failed(pool, message[2])
             elif kind == "collect":
                 self._collect(message[1], message[2])
-            elif kind == "drain":
-                await self.drain(message[1])
+            elif kind == "adopt":  # take the sockets of the worker this one replaces
+                await self._adopt(message[1], message[2])
+            elif kind == "export":  # hand this worker's sockets to the one replacing it
+                await self._export(message[1], message[2])
+            elif kind in ("drain", "release"):
+                await self.drain(message[1], release=kind == "release")
                 channel.send(self._writer, ("drained", self.index))
                 await self._writer.drain()
                 return 0
@@ -169,6 +178,9 @@ class Worker:
         for gone in [n for n in self._stats if n not in names]:
             del self._stats[gone]
         self._routes = {k: r for k, r in self._routes.items() if k in self._served}
+        for sock in self._adopted.values():  # handed over but no longer served
+            sock.close()
+        self._adopted.clear()
         events, self._events = self._events, []
         channel.send(self._writer, ("applied", seq, self.index, events))
         # The table's objects live until the next one: keep the cyclic collector from walking
@@ -178,6 +190,9 @@ class Worker:
     async def _open(
         self, key: Key, name: str, pool: _Pool, v6only: int
     ) -> TcpListener | UdpListener:
+        adopted = self._adopted.pop(key, None)
+        if adopted is not None:
+            return await self._open_adopted(key, name, pool, adopted)
         protocol, host, port = key
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         kind = socket.SOCK_STREAM if protocol == "TCP" else socket.SOCK_DGRAM
@@ -203,6 +218,88 @@ class Worker:
             listener = UdpListener(sock, pool, stats, name=name, idle_timeout=self.udp_idle_timeout)
             await listener.start()
         return listener
+
+    def _stats_of(self, name: str) -> ConnStats:
+        stats = self._stats.get(name)
+        if stats is None:
+            stats = self._stats[name] = ConnStats()
+        return stats
+
+    async def _open_adopted(
+        self, key: Key, name: str, pool: _Pool, sock: socket.socket
+    ) -> TcpListener | UdpListener:
+        """Serve a handed-over socket: it keeps its place in the group (no join to report)."""
+        stats = self._stats_of(name)
+        listener: TcpListener | UdpListener
+        if sock.type == socket.SOCK_STREAM:
+            if is_listening(sock):
+                self._group_socks[key] = sock
+            listener = TcpListener(
+                sock, pool, stats, name=name, keepalive=self.tcp_keepalive, adopt=True
+            )
+            listener.on_listen = lambda joined: self._membership(key, joined)
+        else:
+            self._group_socks[key] = sock
+            listener = UdpListener(sock, pool, stats, name=name, idle_timeout=self.udp_idle_timeout)
+        await listener.start()
+        return listener
+
+    # ---- handing sockets over between the workers of one slot -----------------------------
+
+    async def _adopt(self, seq: int, path: str) -> None:
+        """Listen at `path` for the sockets of the worker this one replaces; report how many
+        arrived. They are served as the next table names them."""
+        try:
+            server = fdpass.listen(path)
+        except OSError as exc:
+            channel.send(self._writer, ("adopting", seq, self.index, str(exc)))
+            return
+        channel.send(self._writer, ("adopting", seq, self.index, ""))
+        error = ""
+        try:
+            async with asyncio.timeout(HANDOVER_TIMEOUT):
+                conn = await fdpass.accept(server)
+                with conn:
+                    while True:
+                        message, socks = await fdpass.receive(conn)
+                        if "done" in message:
+                            break
+                        for (protocol, host, port), sock in zip(
+                            message["keys"], socks, strict=True
+                        ):
+                            self._adopted[(str(protocol), str(host), int(port))] = sock
+        except (OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            error = repr(exc)
+            for sock in self._adopted.values():
+                sock.close()
+            self._adopted.clear()
+        finally:
+            server.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        channel.send(self._writer, ("adopted", seq, self.index, len(self._adopted), error))
+
+    async def _export(self, seq: int, path: str) -> None:
+        """Send every served socket to the worker listening at `path` (this one goes on
+        serving until told to release)."""
+        items = [
+            (list(key), served.listener.fileno())
+            for key, served in self._served.items()
+            if served.listener.fileno() >= 0
+        ]
+        error = ""
+        try:
+            async with asyncio.timeout(HANDOVER_TIMEOUT):
+                conn = await asyncio.to_thread(fdpass.connect, path, HANDOVER_TIMEOUT)
+                with conn:
+                    for batch in fdpass.batches(items):
+                        await fdpass.send(
+                            conn, {"keys": [k for k, _ in batch]}, [f for _, f in batch]
+                        )
+                    await fdpass.send(conn, {"done": len(items)})
+        except (OSError, TimeoutError) as exc:
+            error = repr(exc)
+        channel.send(self._writer, ("exported", seq, self.index, len(items), error))
 
     async def _retire(self, key: Key, listener: TcpListener | UdpListener) -> None:
         await listener.close()
@@ -261,10 +358,16 @@ class Worker:
         message = ("collected", request, self.index, stats, affinity, balancers)
         channel.send(self._writer, message)
 
-    async def drain(self, grace: float) -> None:
-        """Stop accepting everywhere, then give open connections `grace` seconds."""
+    async def drain(self, grace: float, *, release: bool = False) -> None:
+        """Stop accepting everywhere, then give open connections `grace` seconds.
+
+        `release`: the sockets were handed over; close this process's descriptors only.
+        """
         listeners = [s.listener for s in self._served.values()] + self._retired
-        await asyncio.gather(*(lst.close() for lst in listeners), return_exceptions=True)
+        await asyncio.gather(
+            *(lst.release() if release else lst.close() for lst in listeners),
+            return_exceptions=True,
+        )
         await asyncio.gather(*(lst.drain(grace) for lst in listeners), return_exceptions=True)
         self._served.clear()
         self._retired.clear()

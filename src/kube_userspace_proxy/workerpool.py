@@ -15,13 +15,14 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import os
 import socket
 import sys
 import time
 import weakref
 from typing import Any
 
-from kube_userspace_proxy import channel, logs
+from kube_userspace_proxy import channel, fdpass, logs
 from kube_userspace_proxy.balancer import PINS_SHOWN, BalancerView, EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats, Picker, steering
 from kube_userspace_proxy.errors import ProxyError
@@ -82,6 +83,17 @@ class SharedPort:
             self._pool.remove(self)
             self._sock.close()
             self._sock = None
+
+    async def release(self) -> None:
+        """Close this process's descriptor only (handed over: the reservation, and for UDP
+        the group member, stay with the new owner)."""
+        if self._sock is not None:
+            self._pool.remove(self)
+            self._sock.close()
+            self._sock = None
+
+    def fileno(self) -> int:
+        return self._sock.fileno() if self._sock is not None else -1
 
     async def drain(self, timeout: float) -> None:  # noqa: ASYNC109 - the contract's shape
         """The workers drain their connections (`WorkerPool.shutdown`)."""
@@ -159,20 +171,32 @@ class WorkerPool:
         self._stopping = False
         self._table: tuple[list[Any], dict[int, Any]] | None = None
         self._published_shape: frozenset[tuple[Key, bool]] | None = None
+        self._adopting: dict[int, asyncio.Future[Any]] = {}
         self.restarts = 0
         """Workers replaced after an unexpected exit."""
 
     # ---- the proxier's data plane ------------------------------------------------------------
 
     def listener(
-        self, sock: socket.socket, pool: EndpointPool, stats: ConnStats, name: str
+        self,
+        sock: socket.socket,
+        pool: EndpointPool,
+        stats: ConnStats,
+        name: str,
+        *,
+        adopt: bool = False,
     ) -> SharedPort:
+        # A handed-over reservation is in its group already (`adopt_groups`).
         return SharedPort(self, sock, pool, stats, name)
 
     def add(self, port: SharedPort) -> None:
         self._ports[port.key] = port
-        if port.key[0] == "UDP":  # a bound UDP socket is in the group from its bind on
-            self._groups.setdefault(port.key, []).append(CONTROL)
+        members = self._groups.setdefault(port.key, [])
+        # A bound UDP socket is in the group from its bind on (a handed-over one already is).
+        if port.key[0] == "UDP" and CONTROL not in members:
+            members.append(CONTROL)
+        if not members:
+            del self._groups[port.key]
 
     def remove(self, port: SharedPort) -> None:
         if self._ports.get(port.key) is port:
@@ -582,10 +606,85 @@ class WorkerPool:
             for field, value in zip(COUNTERS, total, strict=True):
                 setattr(stats, field, value)
 
+    # ---- handing the workers' sockets over to the next process --------------------------------
+
+    def groups(self) -> dict[Key, list[int]]:
+        """Every reuseport group as tracked: worker numbers in the kernel's order."""
+        return {key: list(members) for key, members in self._groups.items()}
+
+    def adopt_groups(self, groups: dict[Key, list[int]]) -> None:
+        """Before the first table: the groups of the sockets handed over, in the order the
+        process that made them tracked (same sockets: the same order, so steering holds)."""
+        self._groups = {key: list(members) for key, members in groups.items()}
+
+    async def prepare_adoption(self, directory: str) -> dict[int, str]:
+        """Have every worker listen for its predecessor's sockets; slot -> unix socket path."""
+        paths: dict[int, str] = {}
+        ready = []
+        self._adopting = {}
+        for worker in self._live():
+            seq = next(self._seq)
+            path = os.path.join(directory, f".handover-{os.getpid()}-{worker.index}.sock")
+            ready.append(self._request(worker, "adopting", seq))
+            self._adopting[worker.index] = self._request(worker, "adopted", seq)
+            channel.send(worker.writer, ("adopt", seq, path))
+            paths[worker.index] = path
+        for reply in await asyncio.gather(*(asyncio.wait_for(r, APPLY_TIMEOUT) for r in ready)):
+            if reply[3]:
+                raise ProxyError(f"worker {reply[2]} cannot receive sockets: {reply[3]}")
+        return paths
+
+    async def finish_adoption(self, timeout: float) -> dict[int, int]:  # noqa: ASYNC109
+        """Wait until every worker has its predecessor's sockets; slot -> how many."""
+        counts = {}
+        for index, done in self._adopting.items():
+            reply = await asyncio.wait_for(done, timeout)
+            if reply[4]:
+                raise ProxyError(f"worker {index} did not receive its sockets: {reply[4]}")
+            counts[index] = reply[3]
+        return counts
+
+    async def export(self, paths: dict[int, str], timeout: float) -> dict[int, int]:  # noqa: ASYNC109
+        """Each worker sends its sockets to the path of its slot; slot -> how many.
+
+        A slot without a worker now (being replaced) sends none: its successor binds anew.
+        """
+        waiting = {}
+        for worker in self._live():
+            if worker.index in paths:
+                seq = next(self._seq)
+                waiting[worker.index] = self._request(worker, "exported", seq)
+                channel.send(worker.writer, ("export", seq, paths[worker.index]))
+        counts = {}
+        for index, path in paths.items():
+            future = waiting.get(index)
+            if future is None:
+                with await asyncio.to_thread(fdpass.connect, path, timeout) as conn:
+                    await fdpass.send(conn, {"done": 0})
+                counts[index] = 0
+                continue
+            reply = await asyncio.wait_for(future, timeout)
+            if reply[4]:
+                raise ProxyError(f"worker {index} could not send its sockets: {reply[4]}")
+            counts[index] = reply[3]
+        return counts
+
+    def abandon(self) -> None:
+        """Kill every worker at once, leaving the sockets they hold untouched (a handover
+        that failed: the process that handed them over still serves them)."""
+        self._stopping = True
+        for worker in [*self._workers, self._spare]:
+            if worker is not None and worker.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.kill()
+
     # ---- shutdown ----------------------------------------------------------------------------
 
-    async def shutdown(self, grace: float) -> None:
-        """Tell every worker to stop accepting and drain within `grace`; then reap them."""
+    async def shutdown(self, grace: float, *, release: bool = False) -> None:
+        """Tell every worker to stop accepting and drain within `grace`; then reap them.
+
+        `release`: the sockets were handed over; the workers close their descriptors only.
+        """
         self._stopping = True
         starting = [t for t in (self._spare_task, *self._replacing) if t is not None]
         for task in starting:
@@ -594,7 +693,7 @@ class WorkerPool:
         waiting = []
         for worker in self._live():
             waiting.append(self._request(worker, "drained", worker.index))
-            channel.send(worker.writer, ("drain", grace))
+            channel.send(worker.writer, ("release" if release else "drain", grace))
         await asyncio.gather(
             *(asyncio.wait_for(w, grace + 2.0) for w in waiting), return_exceptions=True
         )

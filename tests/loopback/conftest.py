@@ -24,7 +24,7 @@ import uvloop
 from kube_userspace_proxy.balancer import EndpointTally
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener
 
-DATAPLANE_FILES = {"test_tcp.py", "test_udp.py"}
+DATAPLANE_FILES = {"test_tcp.py", "test_udp.py", "test_handover_paths.py"}
 LOOPS: Mapping[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "uvloop": uvloop.new_event_loop,
     "asyncio": asyncio.new_event_loop,

@@ -68,6 +68,11 @@ def _reserve(sock: socket.socket) -> socket.socket:
     return pinned
 
 
+def is_listening(sock: socket.socket) -> bool:
+    """True when `sock` listens (a socket handed over by another process may)."""
+    return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+
+
 def _unlisten(sock: socket.socket) -> None:
     """A listening socket back to bound and not listening; its backlog is reset."""
     with contextlib.suppress(OSError):  # ENOTCONN: it was not listening
@@ -99,6 +104,11 @@ class TcpListener:
     from now on (replaced by its reservation, see `_reserve`) and closes it in `close()`.
     `keepalive` (seconds, 0 = off) applies TCP
     keepalive and TCP_USER_TIMEOUT to both sides of every connection.
+
+    `adopt`: `sock` is a reservation another proxy process handed over (`handover.py`), used
+    as it is; if it listens already, it is served at once and stays where it is in its
+    reuseport group (`on_listen` is not told: it did not join). `release()` gives it back
+    untouched.
     """
 
     def __init__(
@@ -113,10 +123,15 @@ class TcpListener:
         high_water: int = 256 * 1024,
         backlog: int = 4096,
         keepalive: float = KEEPALIVE,
+        adopt: bool = False,
     ) -> None:
         if sock.type != socket.SOCK_STREAM:
             raise ValueError(f"TcpListener needs a TCP socket, got {sock!r}")
-        sock = _reserve(sock)
+        self._adopted_listening = adopt and is_listening(sock)
+        if adopt:
+            sock.setblocking(False)
+        else:
+            sock = _reserve(sock)
         self._sock: socket.socket | None = sock
         self._address = sock.getsockname()
         self._family = int(sock.family)
@@ -185,6 +200,16 @@ class TcpListener:
         """
         self._loop = loop = asyncio.get_running_loop()
         self._shared = Shared(loop, self._picker, self._stats, self._splice)
+        if self._adopted_listening and not self._closed:
+            # Handed over listening: accept from it as it is (its backlog and its place in
+            # the reuseport group are kept); without endpoints it refuses from now on.
+            self._adopted_listening = False
+            assert self._sock is not None
+            loop.add_reader(self._sock.fileno(), self._accept)
+            self._listening = True
+            if not self._picker:
+                self._stop_listening()
+            return
         if self._picker and not self._closed:
             self._listen()
 
@@ -289,6 +314,29 @@ class TcpListener:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    async def release(self) -> None:
+        """Stop accepting and close this process's descriptor only: the socket, its backlog
+        and its place in the reuseport group stay with the process it was handed over to
+        (never shutdown(), which would stop that process's listening too). Connections in
+        flight go on to finish."""
+        self._closed = True
+        sock = self._sock
+        if sock is None:
+            return
+        if self._listening:
+            self._listening = False
+            if self._resume is not None:
+                self._resume.cancel()
+                self._resume = None
+            else:
+                self.loop.remove_reader(sock.fileno())
+        sock.close()
+        self._sock = None
+
+    def fileno(self) -> int:
+        """The descriptor of the port's socket (to hand it over); -1 once closed."""
+        return self._sock.fileno() if self._sock is not None else -1
 
     async def drain(self, timeout: float) -> None:  # noqa: ASYNC109 - the contract's shape
         """Wait up to `timeout` seconds for connections in flight, then close the rest (FIN)."""

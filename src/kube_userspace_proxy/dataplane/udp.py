@@ -16,9 +16,11 @@ back long before); only when every session is busier than that is the new client
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import resource
 import socket
-from typing import Any
+from typing import Any, Protocol
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, Tally, notices
@@ -141,6 +143,29 @@ class _Session:
         self.ep.active -= 1
 
 
+class _Sender(Protocol):
+    """Where sessions' replies leave: the service port's transport, or `_Replies`."""
+
+    def sendto(self, data: bytes, addr: Any, /) -> None: ...
+
+
+class _Replies:
+    """Replies of the sessions still open after the service port was handed over.
+
+    Sent from a duplicate of the port's descriptor, so that the new owner alone reads the
+    port while replies already on their way still reach their clients.
+    """
+
+    __slots__ = ("sock",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def sendto(self, data: bytes, addr: Any, /) -> None:
+        with contextlib.suppress(OSError):  # a full buffer: UDP may drop
+            self.sock.sendto(data, addr)
+
+
 class _ServicePort(asyncio.DatagramProtocol):
     def __init__(self, lst: UdpListener) -> None:
         self.lst = lst
@@ -189,7 +214,9 @@ class UdpListener:
         # A session idle this long may give its place to a new client when the table is full.
         self.evict_after = idle_timeout / 5
         self.sessions: dict[Any, _Session] = {}
-        self.transport: asyncio.DatagramTransport | None = None
+        self.transport: _Sender | None = None
+        self._transport: asyncio.DatagramTransport | None = None
+        self._replies: _Replies | None = None
         self._protocol: _ServicePort | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -203,9 +230,9 @@ class UdpListener:
         self._loop = asyncio.get_running_loop()
         assert self._sock is not None
         protocol = self._protocol = _ServicePort(self)
-        self.transport, _ = await self._loop.create_datagram_endpoint(
-            lambda: protocol, sock=self._sock
-        )
+        self.transport = self._transport = (
+            await self._loop.create_datagram_endpoint(lambda: protocol, sock=self._sock)
+        )[0]
 
     def set_picker(self, picker: Picker) -> None:
         """Use another picker for new sessions, then `refresh()`."""
@@ -296,19 +323,50 @@ class UdpListener:
         """Stop receiving, end every session and release the port."""
         for session in list(self.sessions.values()):
             session.close()
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
+        await self._close_port()
+        self._close_replies()
+
+    async def _close_port(self) -> None:
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()
             assert self._protocol is not None
-            await self._protocol.closed  # the socket is closed: the port is free
+            await self._protocol.closed  # this descriptor is closed
         elif self._sock is not None:
             self._sock.close()
         self._sock = None
 
+    def _close_replies(self) -> None:
+        self.transport = None
+        if self._replies is not None:
+            self._replies.sock.close()
+            self._replies = None
+
+    async def release(self) -> None:
+        """Stop reading the port and close this process's descriptor only (the process it
+        was handed over to reads it now). Open sessions go on until idle: replies from their
+        endpoints still leave from the port; a client's next datagram reaches the new owner."""
+        if self._transport is not None and self.sessions:
+            # The transport closes its descriptor: replies leave through a duplicate.
+            self._replies = _Replies(socket.socket(fileno=os.dup(self.fileno())))
+            self._replies.sock.setblocking(False)
+        await self._close_port()
+        self.transport = self._replies
+
+    def fileno(self) -> int:
+        """The descriptor of the service port (to hand it over); -1 once closed."""
+        return self._sock.fileno() if self._sock is not None else -1
+
     async def drain(self, timeout: float) -> None:  # noqa: ASYNC109 - the contract's shape
-        """UDP has nothing in flight once closed: returns at once (the listener's shape)."""
+        """Closed: returns at once. Released: gives open sessions up to `timeout` seconds to
+        go idle, then ends the rest."""
+        if self._replies is not None:
+            deadline = self.loop.time() + timeout
+            while self.sessions and self.loop.time() < deadline:  # noqa: ASYNC110 - idle expiry
+                await asyncio.sleep(min(self.idle_timeout, 0.1))
         for session in list(self.sessions.values()):
             session.close()
+        self._close_replies()
 
     @property
     def address(self) -> tuple[Any, ...]:
