@@ -19,8 +19,8 @@ from typing import Any, TypeVar, cast
 
 import uvloop
 
+from kube_userspace_proxy import handover, logs, netutil, statefile
 from kube_userspace_proxy import kubeproxyconfig as kpc
-from kube_userspace_proxy import logs, netutil, statefile
 from kube_userspace_proxy.config import ProxyConfig, effective_document
 from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.health import ProxyHealth
@@ -91,6 +91,11 @@ class Proxy:
         self.node_ips: tuple[str, ...] = config.node_ips
         self.ops: OpsServer | None = None
         self.synced_once = asyncio.Event()
+        self.serving = asyncio.Event()
+        """Set once something is served (restored from a file or a handover, or synced)."""
+        self.handed_over = False
+        """True once a new process took every socket over (this one releases and drains)."""
+        self._sync_lock = asyncio.Lock()  # held through a handover: nothing changes meanwhile
         self.syncs = 0
         """Syncs completed (listeners, workers and rules all updated)."""
         self._saved: Snapshot | None = None
@@ -187,6 +192,10 @@ class Proxy:
 
     async def sync_once(self) -> bool:
         """One sync of listeners, workers and rules to the current state; False if not listed."""
+        async with self._sync_lock:
+            return await self._sync_once()
+
+    async def _sync_once(self) -> bool:
         state = self.state
         if not state.listed:
             log.debug("sync skipped: waiting for the first complete list of Services and slices")
@@ -212,6 +221,7 @@ class Proxy:
             metrics.network_programming(max(0.0, now - trigger))
         self.syncs += 1
         self.synced_once.set()
+        self.serving.set()
         self._save_later(snapshot)
         return True
 
@@ -225,7 +235,7 @@ class Proxy:
             return None
         return statefile.load(self.config.state_dir, node_name=self.state.node_name)
 
-    async def restore(self, saved: tuple[Snapshot, statefile.Ports]) -> None:
+    async def restore(self, saved: tuple[Snapshot, statefile.Ports], *, source: str = "") -> None:
         """Serve the state an earlier run saved, until the first complete list.
 
         The earlier run's rules may still point at its proxy ports: the same ports are taken
@@ -235,13 +245,49 @@ class Proxy:
         if self.config.node_ips:
             snapshot = replace(snapshot, node_ips=self.config.node_ips)
         log.info(
-            "serving %d service port(s) from the state file %s until the first complete list",
+            "serving %d service port(s) from %s until the first complete list",
             len(snapshot.services),
-            statefile.path(self.config.state_dir),
+            source or f"the state file {statefile.path(self.config.state_dir)}",
         )
         self.proxier.prefer_ports(ports)
         await self.proxier.sync(snapshot)
         self._saved = snapshot
+        self.serving.set()
+
+    async def adopt(self, taken: handover.Taken) -> None:
+        """Serve from what the process this one replaces handed over, at once.
+
+        Its sockets replace binding (proxy ports, NodePorts, health-check ports; the workers
+        received theirs already), its applied state replaces the state file, and the worker
+        pool starts from its reuseport groups' order.
+        """
+        try:
+            snapshot, ports = statefile.decode(taken.state, node_name=self.state.node_name)
+        except statefile.StateFileError as exc:
+            raise ProxyError(f"the handed-over state cannot be used: {exc}") from None
+        claims = {}
+        node_ports = {}
+        health = {}
+        for description, sock in [
+            *taken.claim("port"),
+            *taken.claim("nodeport"),
+            *taken.claim("health"),
+        ]:
+            kind, *rest = description
+            if kind == "port":
+                claims[(str(rest[0]), str(rest[1]), str(rest[2]))] = sock
+            elif kind == "nodeport":
+                node_ports[(str(rest[0]), str(rest[1]), int(rest[2]))] = sock
+            elif kind == "health":
+                health[(str(rest[0]), int(rest[1]))] = sock
+        if self.workers is not None:
+            self.workers.adopt_groups(taken.groups)
+        self.proxier.adopt(claims, node_ports)
+        self.service_health.adopt(health)
+        await self.restore((snapshot, ports), source=f"what process {taken.peer} handed over")
+        if self.config.node_ips:
+            snapshot = replace(snapshot, node_ips=self.config.node_ips)
+        await self.service_health.sync(snapshot)
 
     def _save_later(self, snapshot: Snapshot) -> None:
         """Write the state file in the background when the served state changed."""
@@ -276,6 +322,50 @@ class Proxy:
         """Bring the per-service-port counters up to date (summed from the workers)."""
         if self.workers is not None:
             await self.workers.collect(debug=debug)
+
+
+class _Giver:
+    """The running proxy's side of a handover (`handover.Giver`)."""
+
+    def __init__(self, proxy: Proxy, stop: asyncio.Event) -> None:
+        self._proxy = proxy
+        self._stop = stop
+        self.workers = proxy.workers.count if proxy.workers is not None else 1
+
+    def handover_sockets(self) -> list[tuple[list[Any], int]]:
+        proxy = self._proxy
+        items = proxy.proxier.handover_sockets() + proxy.service_health.handover_sockets()
+        if proxy.ops is not None:
+            for (host, port), sock in proxy.ops.listening:
+                if sock.fileno() >= 0:
+                    items.append((["ops", host, port], sock.fileno()))
+        return items
+
+    def handover_state(self) -> tuple[bytes, list[Any]]:
+        proxy = self._proxy
+        assert proxy._saved is not None
+        state = statefile.encode(proxy._saved, proxy.proxier.served_ports())
+        pool = proxy.workers
+        groups = [[*key, members] for key, members in pool.groups().items()] if pool else []
+        return state, groups
+
+    async def export_workers(self, paths: dict[int, str]) -> dict[int, int]:
+        if self._proxy.workers is None:
+            return {}
+        return await self._proxy.workers.export(paths, handover.STEP_TIMEOUT)
+
+    async def hold(self) -> None:
+        await self._proxy._sync_lock.acquire()
+
+    def resume(self) -> None:
+        self._proxy._sync_lock.release()
+
+    def handed_over(self) -> None:
+        self._proxy.handed_over = True
+        self._stop.set()
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def _families(bind_address: str) -> tuple[str, ...]:
@@ -313,8 +403,9 @@ def make_source(
     )
 
 
-async def _start_ops(proxy: Proxy) -> None:
+async def _start_ops(proxy: Proxy, taken: handover.Taken | None = None) -> None:
     config = proxy.config
+    adopted = {(str(d[1]), int(d[2])): sock for d, sock in taken.claim("ops")} if taken else {}
     proxy.ops = await start_ops(
         healthz_bind=config.healthz_bind_address,
         metrics_bind=config.metrics_bind_address,
@@ -324,7 +415,12 @@ async def _start_ops(proxy: Proxy) -> None:
         configz=lambda: {kpc.GROUP: effective_document(config)},
         collect=proxy.collect,
         rules=proxy.counted_rules,
+        adopted=adopted,
     )
+    used = {id(sock) for _, sock in proxy.ops.listening}
+    for sock in adopted.values():
+        if id(sock) not in used:  # the old process's site on another address
+            sock.close()
 
 
 async def _check_client_configuration(config: ProxyConfig) -> None:
@@ -367,26 +463,46 @@ async def serve(
         limit,
     )
     proxy = build(config)
-    saved = proxy.saved_state()
+    stop = stop or asyncio.Event()
+    taken = None
+    if config.state_dir:
+        try:
+            taken = await handover.take(
+                config.state_dir,
+                proxy.workers.count if proxy.workers else 1,
+                wait_exit=config.shutdown_grace + 30,
+            )
+        except ProxyError as exc:
+            log.error("%s", exc)
+            return 1
+    saved = proxy.saved_state() if taken is None else None
     if saved is None:
         # A bad kubeconfig is a configuration error (exit 2), found before anything runs.
         await _check_client_configuration(config)
-    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, _on_signal, sig, stop)
     try:
-        await _start_ops(proxy)
+        await _start_ops(proxy, taken)
         if proxy.workers is not None:
             await proxy.workers.start()
-        if saved is not None:
+        if taken is not None:
+            await _take_over(proxy, taken)
+        elif saved is not None:
             # Served from the file first (a restart during an API-server outage); a bad
             # kubeconfig still ends the process with exit code 2.
             await proxy.restore(saved)
             await _check_client_configuration(config)
     except ProxyError as exc:
         log.error("%s", exc)
+        if taken is not None:
+            # Nothing of what was handed over is closed or shut down here: the old process
+            # serves on with it; killing the workers closes their descriptors only.
+            taken.close()
+            if proxy.workers is not None:
+                proxy.workers.abandon()
+            return 1
         if proxy.ops is not None:
             await proxy.ops.close()
         return 1
@@ -398,6 +514,13 @@ async def serve(
         asyncio.create_task(proxy.runner.loop(), name="sync"),
         asyncio.create_task(proxy.health.heartbeat(), name="heartbeat"),  # for /livez
     ]
+    if config.state_dir:  # the next process takes over from this one
+        giver = _Giver(proxy, stop)
+        tasks.append(
+            asyncio.create_task(
+                handover.serve(config.state_dir, giver, proxy.serving.wait()), name="handover"
+            )
+        )
     if proxy.workers is not None:  # their loops count for /livez too
         proxy.health.watch_loops(proxy.workers.stalest_answer)
         tasks.append(asyncio.create_task(proxy.workers.heartbeat(), name="worker-heartbeat"))
@@ -406,21 +529,70 @@ async def serve(
         if asyncio.iscoroutine(result):
             await result
     outcome = await _first_done(tasks, stop)
+    if proxy.handed_over:
+        outcome = "stopped"
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    log.info("stopping: no new connections; open ones get %.1fs", config.shutdown_grace)
-    if proxy.workers is not None:
-        await proxy.workers.shutdown(config.shutdown_grace)
-    await proxy.service_health.close()
-    await proxy.proxier.shutdown(config.shutdown_grace)
-    if proxy.ops is not None:
-        await proxy.ops.close()
+    if proxy.handed_over:
+        await _hand_over(proxy, stop)
+    else:
+        log.info("stopping: no new connections; open ones get %.1fs", config.shutdown_grace)
+        if proxy.workers is not None:
+            await proxy.workers.shutdown(config.shutdown_grace)
+        await proxy.service_health.close()
+        await proxy.proxier.shutdown(config.shutdown_grace)
+        if proxy.ops is not None:
+            await proxy.ops.close()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.remove_signal_handler(sig)
     log.info("stopped (rules left in place; `kube-userspace-proxy cleanup` removes them)")
     return 0 if outcome == "stopped" else 1
+
+
+async def _take_over(proxy: Proxy, taken: handover.Taken) -> None:
+    """Serve everything the running proxy handed over, then tell it so (it stops)."""
+    config = proxy.config
+    pool = proxy.workers
+    if pool is None:
+        await taken.workers(_no_workers)
+    else:
+        sent = await taken.workers(lambda: pool.prepare_adoption(config.state_dir))
+        received = await pool.finish_adoption(handover.STEP_TIMEOUT)
+        if sent != received:
+            raise ProxyError(f"the workers received {received} socket(s), {sent} were sent")
+        log.info("the workers received %d socket(s) from theirs", sum(received.values()))
+    await proxy.adopt(taken)
+    await taken.serving()
+    taken.close()  # the handed-over sockets nothing took (e.g. ops ones on another address)
+    log.info("serving every port the earlier process served; it stops accepting and drains")
+
+
+async def _no_workers() -> dict[int, str]:
+    return {}
+
+
+async def _hand_over(proxy: Proxy, stop: asyncio.Event) -> None:
+    """A new process serves: release every socket untouched, drain, and (with
+    --after-handover=wait) stay until SIGTERM."""
+    config = proxy.config
+    log.info("handed over: no new connections here; open ones get %.1fs", config.shutdown_grace)
+    if proxy.ops is not None:
+        await proxy.ops.close()
+    await proxy.service_health.close()
+    await asyncio.gather(
+        *(
+            [proxy.workers.shutdown(config.shutdown_grace, release=True)]
+            if proxy.workers is not None
+            else []
+        ),
+        proxy.proxier.shutdown(config.shutdown_grace, release=True),
+    )
+    if config.after_handover == "wait":
+        log.info("drained; waiting for SIGTERM (--after-handover=wait)")
+        stop.clear()
+        await stop.wait()
 
 
 async def rules_text(config: ProxyConfig) -> str:

@@ -186,6 +186,7 @@ _RUN_FLAGS = (
     _Flag("--workers", "workers", "str", "count or auto"),
     _Flag("--guard-proxy-ports", "guard_proxy_ports", "bool", "true|false"),
     _Flag("--state-dir", "state_dir", "str", "path"),
+    _Flag("--after-handover", "after_handover", "choice", "", ("exit", "wait")),
     _Flag("--loopback-endpoints", "loopback_endpoints", "choice", "", ("auto", "allow", "deny")),
 )
 

@@ -166,7 +166,11 @@ class ProxyConfig(BaseModel):
     1 serves from the control process itself."""
     state_dir: str = "/var/lib/kube-userspace-proxy"
     """Directory for the last applied state (served.json), served at start until the API server
-    answers; empty disables."""
+    answers, and for handover.sock, through which a new process takes the sockets over;
+    empty disables both."""
+    after_handover: Literal["exit", "wait"] = "exit"
+    """After handing every socket over to a new process and draining: exit (0), or wait for
+    SIGTERM (in a DaemonSet, whose controller deletes the old pod once the new one is ready)."""
 
     @field_validator("bind_address")
     @classmethod
