@@ -318,6 +318,11 @@ MONITORING_VALUES = {
     "config": {"metricsBindAddress": "0.0.0.0:10249"},
     "serviceMonitor": {"enabled": True},
     "podMonitor": {"enabled": True},
+    # A PodMonitor needs declared container ports: no surge (see values.yaml).
+    "updateStrategy": {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    },
 }
 
 
@@ -350,7 +355,12 @@ def test_helm_template_renders_the_node_proxy() -> None:
         assert labels["app.kubernetes.io/name"] == "kube-userspace-proxy"
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
     pod = objects["DaemonSet"]["spec"]["template"]["spec"]
-    assert objects["DaemonSet"]["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    strategy = objects["DaemonSet"]["spec"]["updateStrategy"]
+    # The new pod starts beside the old one and takes its sockets over (no refusals).
+    assert strategy == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     assert pod["hostNetwork"] is True
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
@@ -361,10 +371,11 @@ def test_helm_template_renders_the_node_proxy() -> None:
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["KUBERNETES_SERVICE_HOST"]["value"] == "kind-control-plane"
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"healthz": 10256, "metrics": 10249}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "healthz"}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "healthz"}
+    # hostNetwork container ports are host ports: a surge pod could not be scheduled.
+    assert "ports" not in container
+    assert "--after-handover=wait" in container["args"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": 10256}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 10256}
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert {"/run/xtables.lock", "/var/lib/kube-userspace-proxy"} <= mounts
     binding = objects["ClusterRoleBinding"]
@@ -395,6 +406,16 @@ def test_monitoring_adds_service_monitor_pod_monitor_and_headless_service() -> N
     assert objects["Service"]["spec"]["clusterIP"] == "None"
     assert objects["Service"]["spec"]["ports"][0]["port"] == 10249
     assert objects["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == "metrics"
+    container = objects["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]
+    assert {p["name"] for p in container["ports"]} == {"healthz", "metrics"}
+
+
+@needs_helm
+def test_pod_monitor_with_a_surge_update_fails_with_a_clear_message() -> None:
+    values = {**MONITORING_VALUES, "updateStrategy": {"type": "RollingUpdate"}}
+    values["updateStrategy"]["rollingUpdate"] = {"maxSurge": 1, "maxUnavailable": 0}
+    with pytest.raises(RuntimeError, match="use serviceMonitor, or set maxSurge: 0"):
+        render(values)
 
 
 @needs_helm
@@ -412,7 +433,9 @@ def test_helm_enforces_the_schema() -> None:
 
 @needs_helm
 def test_disabled_health_address_drops_the_probes() -> None:
-    pod = render({"config": {"healthzBindAddress": ""}})["DaemonSet"]["spec"]["template"]["spec"]
+    no_surge = {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    values = {"config": {"healthzBindAddress": ""}, "updateStrategy": no_surge}
+    pod = render(values)["DaemonSet"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert "livenessProbe" not in container and "readinessProbe" not in container
     assert [p["name"] for p in container["ports"]] == ["metrics"]

@@ -94,8 +94,10 @@ def test_kernel_modules_match() -> None:
 def test_update_strategy_matches() -> None:
     ours = chart_daemonset()["spec"]["updateStrategy"]
     assert ours["type"] == KUBEADM["spec"]["updateStrategy"]["type"] == "RollingUpdate"
-    # kubeadm leaves maxUnavailable to its default, 1; the chart says so.
-    assert ours.get("rollingUpdate", {}).get("maxUnavailable", 1) == 1
+    # kubeadm leaves maxUnavailable to its default, 1: each node's proxy is down while its pod
+    # restarts. The chart surges instead: the new pod takes the old one's sockets over.
+    assert "maxSurge" not in KUBEADM["spec"]["updateStrategy"].get("rollingUpdate", {})
+    assert ours["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
 
 def test_node_name_and_command_line_match() -> None:

@@ -73,3 +73,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- fail "serviceMonitor/podMonitor need config.metricsBindAddress off loopback, e.g. 0.0.0.0:10249" }}
 {{- end }}
 {{- end }}
+
+{{/* "true" when a rolling update starts the new pod beside the old one (maxSurge). */}}
+{{- define "kup.surge" -}}
+{{- if and (eq (.Values.updateStrategy.type | default "RollingUpdate") "RollingUpdate") (dig "rollingUpdate" "maxSurge" 0 .Values.updateStrategy) -}}
+true
+{{- end -}}
+{{- end }}
