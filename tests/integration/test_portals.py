@@ -63,13 +63,24 @@ DRIVER = textwrap.dedent(
 
     portals = new_portals()
     result = {"backend": portals.backend.name, "steps": [], "inputs": []}
-    commit = portals.backend.commit
+    # What each commit hands over, as iptables-restore text (the restore backend commits
+    # through commit_many, several tables at once; iptc through commit).
+    if hasattr(portals.backend, "commit_many"):
+        commit_many = portals.backend.commit_many
 
-    def recording(family, table, ops, base=None):  # what iptables-restore gets, in text
-        result["inputs"].append(restore_text(table, ops))
-        return commit(family, table, ops, base)
+        def recording_many(batch):
+            result["inputs"].extend(restore_text(table, ops) for _, table, ops, _ in batch)
+            return commit_many(batch)
 
-    portals.backend.commit = recording
+        portals.backend.commit_many = recording_many
+    else:
+        commit = portals.backend.commit
+
+        def recording(family, table, ops, base=None):
+            result["inputs"].append(restore_text(table, ops))
+            return commit(family, table, ops, base)
+
+        portals.backend.commit = recording
     for step in args["steps"]:
         if step[0] == "apply":
             portals.apply(ports(step[1], step[2] if len(step) > 2 else 0))

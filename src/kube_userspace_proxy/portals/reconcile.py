@@ -66,6 +66,19 @@ class _Applied:
         return TableView(self.fingerprints, self.jumps, self.referenced)
 
 
+@dataclass(slots=True)
+class _Pending:
+    """One table between its check and its commit."""
+
+    family: Family
+    table: str
+    want: plan.TableRules
+    applied: _Applied | None
+    view: TableView
+    step: plan.Plan
+    verified: float
+
+
 class Portals:
     """Keeps the kernel's rules equal to the desired ones for the service ports it is given."""
 
@@ -139,13 +152,19 @@ class Portals:
             keys = set(wanted) | set(self._applied) | self._leftovers_found
             self._warn_missing_node_ips({f for f, _ in wanted})
             errors: list[PortalsError] = []
-            for family, table in sorted(keys):
-                want = wanted.get((family, table)) or plan.empty(family, table)
-                try:
-                    self._sync(family, table, want)
-                except PortalsError as exc:
-                    log.error("iptables %s table (IPv%d): %s", table, family, exc)
-                    errors.append(exc)
+            tables = [
+                (family, table, wanted.get((family, table)) or plan.empty(family, table))
+                for family, table in sorted(keys)
+            ]
+            if hasattr(self.backend, "commit_many"):
+                self._sync_together(tables, errors)
+            else:
+                for family, table, want in tables:
+                    try:
+                        self._sync(family, table, want)
+                    except PortalsError as exc:
+                        log.error("iptables %s table (IPv%d): %s", table, family, exc)
+                        errors.append(exc)
             if errors:
                 raise errors[0]
 
@@ -261,57 +280,94 @@ class Portals:
                 )
 
     def _sync(self, family: Family, table: str, want: plan.TableRules) -> None:
+        """Check, plan, commit and record one table, under the backend's lock."""
+        with self.backend.locked(family):
+            pending = self._plan(family, table, want)
+            after = self._commit(pending, None) if pending.step.ops else None
+            self._record(pending, after)
+
+    def _sync_together(
+        self, wanted: list[tuple[Family, str, plan.TableRules]], errors: list[PortalsError]
+    ) -> None:
+        """`_sync` for backends that commit several tables at once (`commit_many`): the
+        tables are independent, and one commit's wait overlaps the others'."""
+        pending: list[_Pending] = []
+        for family, table, want in wanted:
+            try:
+                pending.append(self._plan(family, table, want))
+            except PortalsError as exc:
+                log.error("iptables %s table (IPv%d): %s", table, family, exc)
+                errors.append(exc)
+        batch = [p for p in pending if p.step.ops]
+        commit_many = self.backend.commit_many  # type: ignore[attr-defined]
+        outcomes = commit_many([(p.family, p.table, p.step.ops, p.view) for p in batch])
+        results = dict(zip(map(id, batch), outcomes, strict=True))
+        for p in pending:
+            try:
+                outcome = results.get(id(p))
+                after = self._commit(p, outcome) if id(p) in results else None
+                self._record(p, after)
+            except PortalsError as exc:
+                log.error("iptables %s table (IPv%d): %s", p.table, p.family, exc)
+                errors.append(exc)
+
+    def _plan(self, family: Family, table: str, want: plan.TableRules) -> _Pending:
         backend = self.backend
-        key = (family, table)
-        with backend.locked(family):
-            applied = self._applied.pop(key, None)
-            verified = self._clock()
-            if applied is None:
-                view = backend.read(family, table)
-                step = plan.replace_all(want, view)
-            else:
-                view, full = self._check(family, table, applied)
-                if CANARY not in view.chains:
-                    self.repairs += 1
-                    log.warning(
-                        "iptables %s (IPv%d): our canary chain %s is gone (the table was flushed"
-                        " or reloaded); rewriting all our rules in it",
-                        table,
-                        family,
-                        CANARY,
-                    )
-                    step = plan.replace_all(want, view)
-                else:
-                    step = plan.update(want, view, applied.chains, applied.fingerprints)
-                    if step.repaired:
-                        self.repairs += 1
-                        log.warning(
-                            "iptables %s (IPv%d) changed outside the proxy (%s); restoring",
-                            table,
-                            family,
-                            ", ".join(step.repaired[:10]),
-                        )
-                if not full:
-                    verified = applied.verified
-            if step.ops:
-                try:
-                    after = backend.commit(family, table, step.ops, view)
-                except PortalsError as exc:
-                    if applied is None:
-                        raise
-                    log.warning("%s; replacing our chains in %s instead", exc, table)
-                    view = backend.read(family, table)
-                    step = plan.replace_all(want, view)
-                    after = backend.commit(family, table, step.ops, view)
-                    verified = self._clock()
-                self.commits += 1
-                view = after or backend.read(family, table)
-                log.debug(
-                    "iptables %s (IPv%d): %d change(s) committed", table, family, len(step.ops)
-                )
-            self._applied[key] = _Applied(
-                step.chains, dict(view.chains), view.jumps, view.referenced, verified
+        applied = self._applied.pop((family, table), None)
+        verified = self._clock()
+        if applied is None:
+            view = backend.read(family, table)
+            return _Pending(family, table, want, None, view, plan.replace_all(want, view), verified)
+        view, full = self._check(family, table, applied)
+        if CANARY not in view.chains:
+            self.repairs += 1
+            log.warning(
+                "iptables %s (IPv%d): our canary chain %s is gone (the table was flushed"
+                " or reloaded); rewriting all our rules in it",
+                table,
+                family,
+                CANARY,
             )
+            step = plan.replace_all(want, view)
+        else:
+            step = plan.update(want, view, applied.chains, applied.fingerprints)
+            if step.repaired:
+                self.repairs += 1
+                log.warning(
+                    "iptables %s (IPv%d) changed outside the proxy (%s); restoring",
+                    table,
+                    family,
+                    ", ".join(step.repaired[:10]),
+                )
+        return _Pending(
+            family, table, want, applied, view, step, verified if full else applied.verified
+        )
+
+    def _commit(self, p: _Pending, outcome: TableView | PortalsError | None) -> TableView | None:
+        """The table after `p`'s commit (`outcome`: its result, when already committed);
+        a failed update is retried as a replacement of all our chains in the table."""
+        backend = self.backend
+        try:
+            if isinstance(outcome, PortalsError):
+                raise outcome
+            after = outcome or backend.commit(p.family, p.table, p.step.ops, p.view)
+        except PortalsError as exc:
+            if p.applied is None:
+                raise
+            log.warning("%s; replacing our chains in %s instead", exc, p.table)
+            p.view = backend.read(p.family, p.table)
+            p.step = plan.replace_all(p.want, p.view)
+            after = backend.commit(p.family, p.table, p.step.ops, p.view)
+            p.verified = self._clock()
+        self.commits += 1
+        log.debug("iptables %s (IPv%d): %d change(s) committed", p.table, p.family, len(p.step.ops))
+        return after or backend.read(p.family, p.table)
+
+    def _record(self, p: _Pending, after: TableView | None) -> None:
+        view = after or p.view
+        self._applied[(p.family, p.table)] = _Applied(
+            p.step.chains, dict(view.chains), view.jumps, view.referenced, p.verified
+        )
 
     def _check(self, family: Family, table: str, applied: _Applied) -> tuple[TableView, bool]:
         """The table as it is now, and whether it was read in full: at the verify period, or

@@ -22,6 +22,7 @@ import socket
 import struct
 import subprocess
 from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import PortalsError
@@ -236,6 +237,7 @@ class RestoreBackend:
         self.mode = mode or default_mode()
         self.name = f"restore ({self.mode})"
         self._known: dict[tuple[Family, str], tuple[int, TableView]] = {}
+        self._pool: ThreadPoolExecutor | None = None
         if binary(4, self.mode, "restore") is None:
             raise PortalsError(f"iptables-{self.mode}-restore is not installed")
 
@@ -329,19 +331,52 @@ class RestoreBackend:
     def commit(
         self, family: Family, table: str, ops: Sequence[Op], base: TableView | None = None
     ) -> TableView | None:
-        text = restore_text(table, ops)
+        (outcome,) = self.commit_many([(family, table, ops, base)])
+        if isinstance(outcome, PortalsError):
+            raise outcome
+        return outcome
+
+    def commit_many(
+        self, batch: Sequence[tuple[Family, str, Sequence[Op], TableView | None]]
+    ) -> list[TableView | PortalsError | None]:
+        """`commit` for several tables, one `iptables-restore` run each, all at once: each
+        table is its own transaction, and the runs' waits (a commit that deletes rules
+        waits for the kernel to release them) overlap. Per table, its view or its error."""
+        texts = [restore_text(table, ops) for _, table, ops, _ in batch]
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s restore input:\n%s", self.name, text)
+            for text in texts:
+                log.debug("%s restore input:\n%s", self.name, text)
         before = nft_generation() if self.mode == "nft" else None
-        known = self._known.pop((family, table), None)
-        self._run(family, "restore", ["--noflush", "-w", str(LOCK_WAIT_SECONDS)], text)
-        planned = known[1] if known is not None and known[0] == before else base
-        after = predict(planned, ops) if planned is not None else None
-        if before is None or nft_generation() != before + 1:
-            return after  # someone else committed too: the next glance reads again
-        for key, (generation, view) in list(self._known.items()):
-            if generation == before:  # only our commit happened since that read
-                self._known[key] = (before + 1, view)
-        if after is not None:
-            self._known[(family, table)] = (before + 1, after)
-        return after
+        known = [self._known.pop((family, table), None) for family, table, _, _ in batch]
+        args = ["--noflush", "-w", str(LOCK_WAIT_SECONDS)]
+
+        def run(at: int) -> PortalsError | None:
+            try:
+                self._run(batch[at][0], "restore", args, texts[at])
+            except PortalsError as exc:
+                return exc
+            return None
+
+        if len(batch) > 1:
+            if self._pool is None:  # kept: starting threads costs more than a small commit
+                self._pool = ThreadPoolExecutor(4, thread_name_prefix="iptables-restore")
+            failures = list(self._pool.map(run, range(len(batch))))
+        else:
+            failures = [run(0)] if batch else []
+        done = sum(failure is None for failure in failures)
+        ours = before is not None and nft_generation() == before + done
+        out: list[TableView | PortalsError | None] = []
+        for (family, table, ops, base), seen, failure in zip(batch, known, failures, strict=True):
+            if failure is not None:
+                out.append(failure)
+                continue
+            planned = seen[1] if seen is not None and seen[0] == before else base
+            after = predict(planned, ops) if planned is not None else None
+            if ours and after is not None:
+                self._known[(family, table)] = (before + done, after)  # type: ignore[operator]
+            out.append(after)
+        if ours and done:
+            for key, (generation, view) in list(self._known.items()):
+                if generation == before:  # only our commits happened since that read
+                    self._known[key] = (generation + done, view)
+        return out

@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import re
+import socket
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -89,6 +90,8 @@ KUBE-PORTALS-CONTAINER-3F: one change rewrites a chain of ~N/256 rules, never th
 table's (`iptables-nft-restore` loads a chain whole to delete a rule from it)."""
 _TABLE_OF = {chain: table for table in TABLES for chain in CHAINS[table] if chain != CANARY}
 _SHARD = re.compile(r"(.+)-([0-9A-F]{2})")
+_TARGETS = frozenset({"REDIRECT", "DNAT", "REJECT", "ACCEPT"})
+"""The iptables targets our rules use (any other target is a jump to one of our chains)."""
 
 
 def shard_of(name: ServicePortName) -> int:
@@ -226,7 +229,7 @@ class Rule:
     @property
     def to_chain(self) -> bool:
         """True when the target is one of our chains (a jump), not an iptables target."""
-        return is_ours(self.table, self.target)
+        return self.target not in _TARGETS and is_ours(self.table, self.target)
 
     @property
     def is_jump(self) -> bool:
@@ -304,6 +307,19 @@ class Settings:
         return sorted(set(dsts), key=dsts.index)
 
 
+def _destination(ip: str) -> tuple[Family, str] | None:
+    """(family, `-d` value as iptables-save prints it) of an IP address; None if invalid.
+
+    inet_pton/inet_ntop: the same canonical text as `ipaddress`, at a tenth of its cost
+    (10,000 ClusterIPs are parsed from scratch)."""
+    for family, af, bits in ((4, socket.AF_INET, 32), (6, socket.AF_INET6, 128)):
+        try:
+            return family, f"{socket.inet_ntop(af, socket.inet_pton(af, ip))}/{bits}"  # type: ignore[return-value]
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 _Match = dict[str, Any]
 """The fields of a portal rule's match part (family, table, comment, protocol, dst, dport,
 and perhaps physdev_not_in or dst_local), to build its rules from."""
@@ -356,20 +372,16 @@ class _Renderer:
 
     def match(self, ip: str, pp: ProxiedPort) -> _Match | None:
         """The match part of a portal rule for `ip`, or None if this proxy cannot serve it."""
-        try:
-            addr = ipaddress.ip_address(ip)
-        except ValueError:
-            return None
-        family: Family = addr.version
-        if family not in served_families(self.s.bind_address):
+        dst = _destination(ip)
+        if dst is None or dst[0] not in served_families(self.s.bind_address):
             return None
         info = pp.info
         return {
-            "family": family,
+            "family": dst[0],
             "table": NAT,
             "comment": str(info.name),
             "protocol": info.protocol.lower(),
-            "dst": f"{addr}/{32 if family == 4 else 128}",
+            "dst": dst[1],
             "dport": info.port,
         }
 
