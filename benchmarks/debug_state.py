@@ -5,9 +5,11 @@ Runs the real proxy in this process on loopback (manifests, no iptables) with N 
 pick path; with more workers the data plane, and its pins, live in the worker processes), then
 fetches /debug/state from a child process. Two meters run meanwhile:
 
-- a 1 ms ticker on the proxy's (control) event loop records how late it wakes;
+- a 1 ms ticker on the proxy's (control) event loop records how late it wakes, and the CPU
+  the loop's thread spent between two wake-ups (on a loaded machine lateness also counts the
+  time the process waited for a CPU; the CPU figure is the work that held the loop);
 - an external prober (another process) connects through one proxy port to a backend it
-  serves itself, every millisecond, and records each round trip: the data plane's view of a
+  serves itself, every 5 ms, and records each round trip: the data plane's view of a
   stall (the control loop with `--workers 1`, the workers' loops otherwise).
 
 Both are started, and warmed up, before the fetcher is told to go, so neither measures the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -39,9 +42,6 @@ from typing import Any
 import uvloop
 import yaml
 from aiohttp import web
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from metrics_scrape import StallMeter
 
 from kube_userspace_proxy import app, ops
 from kube_userspace_proxy.balancer import DEFAULT_MAX_AFFINITY_ENTRIES
@@ -139,6 +139,33 @@ def manifests(ports: int, probe_port: int) -> list[dict[str, Any]]:
     return objects
 
 
+class LoopMeter:
+    """A task that wakes every millisecond: how late each wake-up was (wall clock), and how
+    much CPU this thread spent between two wake-ups (the work of the callbacks that held the
+    loop; unlike lateness, it does not count the time the process waited for a CPU)."""
+
+    def __init__(self) -> None:
+        self.late: list[float] = []
+        self.cpu: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            before, cpu = time.perf_counter(), time.thread_time()
+            await asyncio.sleep(0.001)
+            self.cpu.append(time.thread_time() - cpu)
+            self.late.append(time.perf_counter() - before - 0.001)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
 class GcPauses:
     """The longest garbage-collector pass (any generation) while it is installed."""
 
@@ -194,7 +221,7 @@ async def fetch(
     await prober.stdout.readline()
     pauses = GcPauses()
     gc.callbacks.append(pauses)
-    meter = StallMeter()
+    meter = LoopMeter()
     meter.start()
     fetcher.stdin.write(b"go\n")
     await fetcher.stdin.drain()
@@ -207,6 +234,7 @@ async def fetch(
     seconds = [float(r[0]) for r in rows]
     return {
         "loop_lag": summary(meter.late),
+        "loop_cpu_per_turn": summary(meter.cpu),
         "probe_round_trip": summary(json.loads(probed)),
         "longest_gc_pass_ms": pauses.longest * 1e3,
         "fetches": len(seconds),
@@ -300,9 +328,10 @@ async def main(ports: int, fetches: int, workers: int) -> dict[str, Any]:
             row = await fetch(url, fetches, (backend, proxy_port), seconds=seconds)
             served_for = served_for or row["fetch_total_ms"] / 1e3
             results["rows"][label] = row
-            lag, probe = row["loop_lag"], row["probe_round_trip"]
+            lag, cpu, probe = row["loop_lag"], row["loop_cpu_per_turn"], row["probe_round_trip"]
             print(
                 f"  {label:34s} loop lag p99 {lag['p99_ms']:5.2f} ms, max {lag['max_ms']:6.2f} ms"
+                f" | CPU per turn p99 {cpu['p99_ms']:5.2f} ms, max {cpu['max_ms']:6.2f} ms"
                 f" | probe p99 {probe['p99_ms']:5.2f} ms, max {probe['max_ms']:6.2f} ms"
                 f" | GC pass max {row['longest_gc_pass_ms']:4.1f} ms"
                 f" | {row['fetches']} fetches {row['fetch_total_ms']:7.1f} ms in all,"
