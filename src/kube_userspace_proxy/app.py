@@ -36,7 +36,7 @@ from kube_userspace_proxy.proxier import (
     Proxier,
     local_addresses_in,
 )
-from kube_userspace_proxy.servicehealth import ServiceHealthServers, no_local_endpoints
+from kube_userspace_proxy.servicehealth import NoLocalEndpoints, ServiceHealthServers
 from kube_userspace_proxy.sources import Source
 from kube_userspace_proxy.sources.manifests import ManifestSource
 from kube_userspace_proxy.state import ClusterState
@@ -95,12 +95,23 @@ class Proxy:
         """Set once something is served (restored from a file or a handover, or synced)."""
         self.handed_over = False
         """True once a new process took every socket over (this one releases and drains)."""
-        self._sync_lock = asyncio.Lock()  # held through a handover: nothing changes meanwhile
+        # Both held through a handover: nothing changes meanwhile. Syncs (rule commits
+        # included) and applies each have their own, so an apply need not wait for a commit.
+        self._sync_lock = asyncio.Lock()
+        self._apply_lock = asyncio.Lock()
         self.syncs = 0
         """Syncs completed (listeners, workers and rules all updated)."""
         self._saved: Snapshot | None = None
-        self._unsaved: Snapshot | None = None
+        self._unsaved = False
         self._saver: asyncio.Task[None] | None = None
+        self._apply_wanted = asyncio.Event()
+        self._applied_once = False
+        # Trigger times of changes that wait for a rule commit, with the rule generation
+        # that commit must reach.
+        self._awaiting_rules: list[tuple[int, float]] = []
+        self._no_local = NoLocalEndpoints()
+        self.applies = 0
+        """Changes applied to listeners and pools outside the sync runner (no rule commit)."""
         self._save_failed = False
         workers = config.worker_count
         self.workers: WorkerPool | None = None
@@ -188,10 +199,85 @@ class Proxy:
     def _changed(self) -> None:
         self.health.queued_update()
         self.metrics.sync_queued()
-        self.runner.request()
+        self._apply_wanted.set()
+
+    async def apply_loop(self) -> None:
+        """Apply each change to listeners and pools at once (a root task); rules follow.
+
+        An endpoint change that needs no rule change reaches the balancer pools (and the
+        workers) here, without waiting for the sync runner's rate limit; a change that does
+        (a new, changed or removed service port) is served here too, and the runner is asked
+        for the rule commit, bounded by `--iptables-min-sync-period` as in kube-proxy.
+        Changes that arrive while one batch is applied are coalesced into the next.
+        """
+        while True:
+            await self._apply_wanted.wait()
+            await asyncio.sleep(0)  # let the events of this turn in: one batch for them
+            self._apply_wanted.clear()
+            if not self.state.listed:
+                continue
+            if not self._applied_once:
+                self.runner.request()  # the first sync is complete, and the runner's
+                continue
+            async with self._apply_lock:
+                await self.apply_changes()
+
+    async def apply_changes(self) -> None:
+        """Apply what changed since the last snapshot to listeners and pools (no rule commit)."""
+        started = time.monotonic()
+        snapshot = self._snapshot(self.state.changes())
+        await self.proxier.sync(snapshot, full=False, rules=False)
+        self.applies += 1
+        await self._after(snapshot)
+        if self.proxier.rules_pending:
+            self.runner.request()
+        else:  # nothing waits for a rule commit: this change is synced
+            self.metrics.sync_done(time.monotonic() - started)
+            self.health.synced()
+
+    def _snapshot(self, snapshot: Snapshot) -> Snapshot:
+        if self.config.node_ips:  # the flag wins over the Node object's addresses
+            snapshot = replace(snapshot, node_ips=self.config.node_ips)
+        self.node_ips = snapshot.node_ips
+        self.health.set_node_eligible(self.state.node_eligible)
+        return snapshot
+
+    async def _after(self, snapshot: Snapshot) -> None:
+        """What follows each sync and each apply: health servers, metrics, latency, state file."""
+        self._freeze_long_lived(self.proxier.served_count)
+        await self.service_health.sync(snapshot)
+        metrics = self.metrics
+        metrics.set_no_local_endpoints(*self._no_local.update(snapshot))
+        metrics.set_over_budget(self.proxier.over_budget())
+        metrics.add_changes(snapshot.service_changes, snapshot.endpoint_changes)
+        metrics.set_pending(self.state.pending_service_changes, self.state.pending_endpoint_changes)
+        now = time.time()
+        proxier = self.proxier
+        if proxier.rules_pending:
+            # Served only once the rules name the new ports: measured at that commit.
+            generation = proxier.rules_generation
+            self._awaiting_rules.extend((generation, t) for t in snapshot.trigger_times)
+        else:
+            for trigger in snapshot.trigger_times:
+                metrics.network_programming(max(0.0, now - trigger))
+        if self._awaiting_rules:
+            committed = proxier.committed_generation
+            waiting = []
+            for generation, trigger in self._awaiting_rules:
+                if generation <= committed:
+                    metrics.network_programming(max(0.0, now - trigger))
+                else:
+                    waiting.append((generation, trigger))
+            self._awaiting_rules = waiting
+        if snapshot.changed is None or snapshot.changed:
+            self._save_later()
 
     async def sync_once(self) -> bool:
-        """One sync of listeners, workers and rules to the current state; False if not listed."""
+        """One sync of listeners, workers and rules to the current state; False if not listed.
+
+        The runner calls it for the rule commit the changes asked for (the changes since the
+        last apply come with it), and periodically with the complete state (a full resync).
+        """
         async with self._sync_lock:
             return await self._sync_once()
 
@@ -201,28 +287,16 @@ class Proxy:
             log.debug("sync skipped: waiting for the first complete list of Services and slices")
             return False
         started = time.monotonic()
-        snapshot = state.snapshot()
-        if self.config.node_ips:  # the flag wins over the Node object's addresses
-            snapshot = replace(snapshot, node_ips=self.config.node_ips)
-        self.node_ips = snapshot.node_ips
-        self.health.set_node_eligible(state.node_eligible)
+        complete = self.runner.periodic or not self._applied_once
+        snapshot = self._snapshot(state.snapshot() if complete else state.changes())
         await self.proxier.sync(snapshot, full=self.runner.periodic)
-        self._freeze_long_lived(len(snapshot.services))
-        await self.service_health.sync(snapshot)
-        self.metrics.set_no_local_endpoints(*no_local_endpoints(snapshot))
-        self.metrics.set_over_budget(self.proxier.over_budget())
-        metrics = self.metrics
-        metrics.add_changes(snapshot.service_changes, snapshot.endpoint_changes)
-        metrics.set_pending(state.pending_service_changes, state.pending_endpoint_changes)
-        metrics.sync_done(time.monotonic() - started)
+        self._applied_once = True
+        await self._after(snapshot)
+        self.metrics.sync_done(time.monotonic() - started)
         self.health.synced()
-        now = time.time()
-        for trigger in snapshot.trigger_times:
-            metrics.network_programming(max(0.0, now - trigger))
         self.syncs += 1
         self.synced_once.set()
         self.serving.set()
-        self._save_later(snapshot)
         return True
 
     def counted_rules(self) -> list[tuple[int, str, str, int, int]] | None:
@@ -289,25 +363,37 @@ class Proxy:
             snapshot = replace(snapshot, node_ips=self.config.node_ips)
         await self.service_health.sync(snapshot)
 
-    def _save_later(self, snapshot: Snapshot) -> None:
-        """Write the state file in the background when the served state changed."""
-        saved = self._saved
-        if not self.config.state_dir or (
-            saved is not None
-            and saved.services == snapshot.services
-            and saved.endpoints == snapshot.endpoints
-            and saved.node_ips == snapshot.node_ips
-        ):
+    def applied_state(self) -> Snapshot:
+        """The state served now (before the first sync: what was restored or handed over)."""
+        if not self._applied_once:
+            return self._saved or Snapshot(node_name=self.state.node_name)
+        snapshot = self.state.view()
+        if self.config.node_ips:
+            snapshot = replace(snapshot, node_ips=self.config.node_ips)
+        return snapshot
+
+    def _save_later(self) -> None:
+        """Write the state file in the background (at most once a second) when it changed."""
+        if not self.config.state_dir:
             return
-        self._saved = snapshot
-        self._unsaved = snapshot
+        self._unsaved = True
         if self._saver is None or self._saver.done():
             self._saver = asyncio.create_task(self._save_loop(), name="state-file")
 
     async def _save_loop(self) -> None:
         # At most one write a second: at 10,000 Services the file is megabytes.
-        while self._unsaved is not None:
-            snapshot, self._unsaved = self._unsaved, None
+        while self._unsaved:
+            self._unsaved = False
+            snapshot = self.applied_state()
+            saved = self._saved
+            if (
+                saved is not None
+                and saved.services == snapshot.services
+                and saved.endpoints == snapshot.endpoints
+                and saved.node_ips == snapshot.node_ips
+            ):
+                continue
+            self._saved = snapshot
             ports = self.proxier.served_ports()
             try:
                 await asyncio.to_thread(statefile.save, self.config.state_dir, snapshot, ports)
@@ -343,8 +429,7 @@ class _Giver:
 
     def handover_state(self) -> tuple[bytes, list[Any]]:
         proxy = self._proxy
-        assert proxy._saved is not None
-        state = statefile.encode(proxy._saved, proxy.proxier.served_ports())
+        state = statefile.encode(proxy.applied_state(), proxy.proxier.served_ports())
         pool = proxy.workers
         groups = [[*key, members] for key, members in pool.groups().items()] if pool else []
         return state, groups
@@ -356,8 +441,10 @@ class _Giver:
 
     async def hold(self) -> None:
         await self._proxy._sync_lock.acquire()
+        await self._proxy._apply_lock.acquire()
 
     def resume(self) -> None:
+        self._proxy._apply_lock.release()
         self._proxy._sync_lock.release()
 
     def handed_over(self) -> None:
@@ -512,6 +599,7 @@ async def serve(
     tasks = [
         asyncio.create_task(source.run(), name="source"),
         asyncio.create_task(proxy.runner.loop(), name="sync"),
+        asyncio.create_task(proxy.apply_loop(), name="apply"),
         asyncio.create_task(proxy.health.heartbeat(), name="heartbeat"),  # for /livez
     ]
     if config.state_dir:  # the next process takes over from this one

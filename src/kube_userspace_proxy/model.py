@@ -129,6 +129,15 @@ class Snapshot:
     """Service changes folded into this snapshot since the previous one."""
     endpoint_changes: int = 0
     """EndpointSlice changes folded into this snapshot since the previous one."""
+    changed: frozenset[ServicePortName] | None = None
+    """None: the snapshot is complete. Else it is partial: the service ports added, changed
+    or removed since the previous snapshot, and `services`/`endpoints` hold only those of
+    them that exist now (a name in `changed` but not in `services` was removed)."""
+
+    @property
+    def partial(self) -> bool:
+        """True when this snapshot holds only the changes since the previous one."""
+        return self.changed is not None
 
     def endpoints_of(self, name: ServicePortName) -> tuple[Endpoint, ...]:
         return self.endpoints.get(name, ())

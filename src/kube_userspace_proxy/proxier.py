@@ -11,6 +11,7 @@ import asyncio
 import heapq
 import ipaddress
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +34,8 @@ from kube_userspace_proxy.ports import DescriptorBudget, PortAllocator
 
 log = logs.get(__name__)
 
-YIELD_EVERY = 128
-"""Service ports reconciled between two turns of the event loop (bounds a sync's stall)."""
+SLICE_SECONDS = 0.004
+"""Longest run of reconciling service ports between two turns of the event loop."""
 
 
 Address = tuple[str, int]
@@ -186,6 +187,8 @@ class _Served:
     all_endpoints: int = 0
     endpoints: tuple[Endpoint, ...] | None = None
     """The snapshot's endpoint tuple last applied (the state keeps it while it is unchanged)."""
+    target: ProxiedPort | None = None
+    """The rule target last built for it; None once its info or listeners changed."""
 
     def port_of(self, path: Path) -> int:
         listener = self.listeners.get(path) or self.listeners.get(Path.CLUSTER)
@@ -214,10 +217,14 @@ class Proxier:
         self._budget = budget or DescriptorBudget()
         # Service ports refused because the descriptor budget is spent.
         self._over_budget: set[ServicePortName] = set()
-        # A rule target changed since the last successful apply (a service port came, went,
-        # or its info changed); and the node IPs that apply used.
-        self._rules_dirty = True
+        # Rule targets change generation by generation (a service port came, went, or its info
+        # changed); the generation and the node IPs the last successful commit used.
+        self._rules_gen = 0
+        self._applied_gen = -1
+        self._node_ips: tuple[str, ...] = ()
         self._applied_node_ips: tuple[str, ...] | None = None
+        self._reconcile_lock = asyncio.Lock()
+        self._commit_lock = asyncio.Lock()
         self.rule_applies = 0
         """Rule sets handed to the portals (a sync that changes no rule target hands none)."""
         self._portals = portals
@@ -289,29 +296,44 @@ class Proxier:
 
     # ---- reconcile -----------------------------------------------------------------------
 
-    async def sync(self, snapshot: Snapshot, *, full: bool = True) -> None:
+    async def sync(self, snapshot: Snapshot, *, full: bool = True, rules: bool = True) -> None:
         """Make listeners, pools and rules match `snapshot`; per-port failures are contained.
 
-        Without `full` (a sync for a change), work follows the change: the state hands over
-        the same objects for what did not change, so a service port whose info and endpoints
-        are the ones last applied is skipped after two identity checks, and the rules are
-        applied only when their targets changed (an endpoint-only change commits none).
-        `full` (the first and the periodic syncs) reconciles every service port, retrying
-        what failed, and hands the rules to the portals, which check them for tampering.
+        Without `full` (a sync for a change), work follows the change: a partial snapshot
+        (`Snapshot.changed`) names the service ports to look at, and in a complete one a
+        service port whose info and endpoints are the objects last applied is skipped after
+        two identity checks. `full` (the first and the periodic syncs) reconciles every service
+        port, retrying what failed, and hands the rules to the portals, which check them for
+        tampering. With `rules` the rules follow (`commit_rules`); without, a changed rule
+        target is only recorded (`rules_pending`): an endpoint-only change never needs one.
         """
+        async with self._reconcile_lock:
+            await self._reconcile(snapshot, full=full and not snapshot.partial)
+        if rules:
+            await self.commit_rules(force=full)
+
+    async def _reconcile(self, snapshot: Snapshot, *, full: bool) -> None:
         same_node = snapshot.node_name == self.node_name
         self.node_name = snapshot.node_name
+        self._node_ips = snapshot.node_ips
         self._budget.start()
         if self._claims is None:
             await self._claim_previous_ports()
-        for name in [n for n in self._served if n not in snapshot.services]:
+        changed = snapshot.changed
+        services = snapshot.services
+        if changed is None:
+            gone = [n for n in self._served if n not in services]
+            self._over_budget.clear()
+        else:
+            gone = [n for n in changed if n in self._served and n not in services]
+            self._over_budget.difference_update(changed)
+        for name in gone:
             self._remove(name)
-        for name in [n for n in self._errors if n not in snapshot.services]:
-            del self._errors[name]
-        self._over_budget.clear()
+        for name in [n for n in (changed or self._errors) if n not in services]:
+            self._errors.pop(name, None)
         endpoints = snapshot.endpoints
-        reconciled = 0
-        for name, info in snapshot.services.items():
+        yielded = time.perf_counter()
+        for name, info in services.items():
             served = self._served.get(name)
             if (
                 not full
@@ -322,10 +344,10 @@ class Proxier:
                 and name not in self._errors
             ):
                 continue
-            reconciled += 1
-            if reconciled % YIELD_EVERY == 0:
+            if time.perf_counter() - yielded > SLICE_SECONDS:
                 # Connections and events wait while this loop runs: let them in now and then.
                 await asyncio.sleep(0)
+                yielded = time.perf_counter()
             try:
                 await self._reconcile_port(name, info, snapshot)
             except DescriptorBudgetError as exc:
@@ -349,24 +371,65 @@ class Proxier:
                 served.port_of(Path.CLUSTER),
                 len(served.pools[Path.CLUSTER]),
             )
-        releasable, self._quarantine = self._quarantine, []
-        if self._portals is not None:
-            node_ips = snapshot.node_ips
-            if full or releasable or self._rules_dirty or node_ips != self._applied_node_ips:
-                self._rules_dirty = True  # until an apply succeeds
+
+    @property
+    def rules_generation(self) -> int:
+        """Grows with every change of a rule target."""
+        return self._rules_gen
+
+    @property
+    def committed_generation(self) -> int:
+        """The rule generation the last successful commit carried."""
+        return self._applied_gen
+
+    @property
+    def served_count(self) -> int:
+        """How many service ports are served."""
+        return len(self._served)
+
+    @property
+    def rules_pending(self) -> bool:
+        """True when a rule target changed (or a port waits for release) since the last commit."""
+        if self._portals is None:
+            return bool(self._quarantine or self._claims)
+        return (
+            self._rules_gen != self._applied_gen
+            or bool(self._quarantine)
+            or self._node_ips != self._applied_node_ips
+        )
+
+    async def commit_rules(self, *, force: bool = False) -> None:
+        """Hand the rule targets to the portals when one changed (or `force`: a periodic check).
+
+        The targets are taken between reconciles, so a rule never names a port before its
+        listener serves; reconciles go on while the commit runs (in a thread).
+        """
+        async with self._commit_lock:
+            async with self._reconcile_lock:
+                releasable, self._quarantine = self._quarantine, []
+                generation = self._rules_gen
+                node_ips = self._node_ips
+                wanted = self._portals is not None and (
+                    force
+                    or releasable
+                    or generation != self._applied_gen
+                    or node_ips != self._applied_node_ips
+                )
+                targets = self.proxied_ports() if wanted else []
+            if wanted and self._portals is not None:
                 try:
-                    await asyncio.to_thread(self._portals.apply, self.proxied_ports(), node_ips)
+                    await asyncio.to_thread(self._portals.apply, targets, node_ips)
                 except BaseException:
                     self._quarantine = releasable + self._quarantine
                     raise
-                self._rules_dirty = False
+                self._applied_gen = generation
                 self._applied_node_ips = node_ips
                 self.rule_applies += 1
-        for protocol, port in releasable:
-            self._allocator.release(protocol, port)
-        if self._claims:
-            # The commit replaced the earlier run's rules: unclaimed ports name nothing now.
-            self._drop_claims()
+            for protocol, port in releasable:
+                self._allocator.release(protocol, port)
+            if self._claims:
+                # The commit replaced the earlier run's rules: unclaimed ports name nothing now.
+                self._drop_claims()
 
     async def _reconcile_port(
         self, name: ServicePortName, info: ServicePortInfo, snapshot: Snapshot
@@ -375,9 +438,10 @@ class Proxier:
         new = served is None
         if served is None:
             served = _Served(info=info, stats=ConnStats(), pools={})
-            self._rules_dirty = True
+            self._rules_gen += 1
         elif served.info is not info:
-            self._rules_dirty = True  # the rules are rendered from the info
+            self._rules_gen += 1  # the rules are rendered from the info
+            served.target = None
         served.info = info
         fresh: list[tuple[Path, Listener]] = []
         try:
@@ -395,6 +459,7 @@ class Proxier:
                 await listener.start()
         except BaseException:
             # Undo what this call opened; no rule has pointed at those ports yet.
+            served.target = None
             for path, listener in fresh:
                 served.listeners.pop(path, None)
                 served.pools.pop(path, None)
@@ -403,6 +468,8 @@ class Proxier:
             if not new:
                 self._update_endpoints(served, snapshot)  # the paths left still follow
             raise
+        if fresh:
+            served.target = None
         if new:
             self._served[name] = served
         self._point_node_ports(served)
@@ -575,7 +642,8 @@ class Proxier:
         """Close the listener of `path`; its port stays out of use until no rule names it."""
         listener = served.listeners.pop(path)
         served.pools.pop(path, None)
-        self._rules_dirty = True
+        self._rules_gen += 1
+        served.target = None
         self._close_later(listener)
         # Rules still send this port's traffic here until the next commit: handing the port
         # to another service port before then would deliver one Service's clients to another.
@@ -620,14 +688,16 @@ class Proxier:
 
     def proxied_ports(self) -> list[ProxiedPort]:
         """The desired rule targets: each service port with the proxy port of each path."""
-        return [
-            ProxiedPort(
-                info=served.info,
-                cluster_port=served.port_of(Path.CLUSTER),
-                external_port=served.port_of(Path.EXTERNAL),
-            )
-            for served in self._served.values()
-        ]
+        return [served.target or self._target(served) for served in self._served.values()]
+
+    @staticmethod
+    def _target(served: _Served) -> ProxiedPort:
+        served.target = ProxiedPort(
+            info=served.info,
+            cluster_port=served.port_of(Path.CLUSTER),
+            external_port=served.port_of(Path.EXTERNAL),
+        )
+        return served.target
 
     def port_stats(self) -> list[tuple[ServicePortName, ConnStats]]:
         """(service port, its counters) for every served port; read by metrics at scrape time."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from aiohttp import web
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.health import HTTP_OK, HTTP_UNAVAILABLE, ProxyHealth
-from kube_userspace_proxy.model import Snapshot
+from kube_userspace_proxy.model import ServicePortInfo, ServicePortName, Snapshot
 
 log = logs.get(__name__)
 
@@ -58,14 +58,45 @@ def no_local_endpoints(snapshot: Snapshot) -> tuple[int, int]:
     but none on this node (kube-proxy's `..._no_local_endpoints_total` by traffic_policy)."""
     internal = external = 0
     for name, info in snapshot.services.items():
-        if not (info.internal_traffic_local or info.external_traffic_local):
-            continue
-        ready = [e for e in snapshot.endpoints_of(name) if e.ready]
-        if not ready or any(e.node_name == snapshot.node_name for e in ready):
-            continue
-        internal += info.internal_traffic_local
-        external += info.external_traffic_local
+        pair = _no_local(snapshot, name, info)
+        internal += pair[0]
+        external += pair[1]
     return internal, external
+
+
+def _no_local(snapshot: Snapshot, name: ServicePortName, info: ServicePortInfo) -> tuple[int, int]:
+    if not (info.internal_traffic_local or info.external_traffic_local):
+        return (0, 0)
+    ready = [e for e in snapshot.endpoints_of(name) if e.ready]
+    if not ready or any(e.node_name == snapshot.node_name for e in ready):
+        return (0, 0)
+    return (int(info.internal_traffic_local), int(info.external_traffic_local))
+
+
+class NoLocalEndpoints:
+    """`no_local_endpoints` kept up to date from complete and partial snapshots alike."""
+
+    def __init__(self) -> None:
+        self._counted: dict[ServicePortName, tuple[int, int]] = {}  # only non-zero ones
+
+    def update(self, snapshot: Snapshot) -> tuple[int, int]:
+        """Take `snapshot` (a partial one: only the service ports it names); the totals."""
+        if snapshot.changed is None:
+            self._counted.clear()
+            names: Iterable[ServicePortName] = snapshot.services
+        else:
+            names = snapshot.changed
+        for name in names:
+            info = snapshot.services.get(name)
+            pair = _no_local(snapshot, name, info) if info is not None else (0, 0)
+            if pair == (0, 0):
+                self._counted.pop(name, None)
+            else:
+                self._counted[name] = pair
+        return (
+            sum(p[0] for p in self._counted.values()),
+            sum(p[1] for p in self._counted.values()),
+        )
 
 
 class ServiceHealthServers:
@@ -97,10 +128,16 @@ class ServiceHealthServers:
         return {f"{ns}/{name}": inst.port for (ns, name), inst in self._services.items()}
 
     async def sync(self, snapshot: Snapshot) -> None:
-        """Serve exactly the Services of `snapshot` that want a health check."""
+        """Serve exactly the Services of `snapshot` that want a health check (a partial
+        snapshot: look only at the Services it names)."""
         want = wanted(snapshot)
-        for key, old in list(self._services.items()):
-            if want.get(key, (None,))[0] != old.port:
+        if snapshot.changed is None:
+            keys = list(self._services)
+        else:
+            keys = sorted({(n.namespace, n.name) for n in snapshot.changed})
+        for key in keys:
+            old = self._services.get(key)
+            if old is not None and want.get(key, (None,))[0] != old.port:
                 log.info("closing health check of %s/%s on port %d", *key, old.port)
                 del self._services[key]
                 await _close(old)

@@ -76,6 +76,8 @@ class ClusterState:
         self._built: dict[Key, tuple[ServicePortName, ...]] = {}
         self._snap_services: dict[ServicePortName, ServicePortInfo] = {}
         self._snap_endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = {}
+        # Service ports rebuilt (added, changed or removed) since the last snapshot.
+        self._touched: set[ServicePortName] = set()
 
     @property
     def listed(self) -> bool:
@@ -182,22 +184,60 @@ class ClusterState:
 
     def snapshot(self) -> Snapshot:
         """The complete state now; resets the trigger times and pending change counts."""
+        self._rebuild_dirty()
+        self._touched.clear()
+        return self._take(dict(self._snap_services), dict(self._snap_endpoints), None)
+
+    def changes(self) -> Snapshot:
+        """What changed since the last snapshot, as a partial Snapshot (`Snapshot.changed`).
+
+        Costs time in proportion to the change: only the Services changed since are rebuilt,
+        and only their service ports are copied. Resets what `snapshot()` resets.
+        """
+        self._rebuild_dirty()
+        touched, self._touched = self._touched, set()
+        services = self._snap_services
+        endpoints = self._snap_endpoints
+        return self._take(
+            {n: services[n] for n in touched if n in services},
+            {n: endpoints[n] for n in touched if n in endpoints},
+            frozenset(touched),
+        )
+
+    def view(self) -> Snapshot:
+        """The complete state as of the last snapshot (or changes), consuming nothing."""
+        return Snapshot(
+            services=MappingProxyType(dict(self._snap_services)),
+            endpoints=MappingProxyType(dict(self._snap_endpoints)),
+            node_name=self.node_name,
+            node_ips=self._node_ips,
+        )
+
+    def _rebuild_dirty(self) -> None:
         for key in self._dirty:
             self._rebuild(key)
         self._dirty.clear()
+
+    def _take(
+        self,
+        services: dict[ServicePortName, ServicePortInfo],
+        endpoints: dict[ServicePortName, tuple[Endpoint, ...]],
+        changed: frozenset[ServicePortName] | None,
+    ) -> Snapshot:
         times = tuple(self._trigger_times)
         self._trigger_times.clear()
         changes = (self.pending_service_changes, self.pending_endpoint_changes)
         self.pending_service_changes = 0
         self.pending_endpoint_changes = 0
         return Snapshot(
-            services=MappingProxyType(dict(self._snap_services)),
-            endpoints=MappingProxyType(dict(self._snap_endpoints)),
+            services=MappingProxyType(services),
+            endpoints=MappingProxyType(endpoints),
             node_name=self.node_name,
             node_ips=self._node_ips,
             trigger_times=times,
             service_changes=changes[0],
             endpoint_changes=changes[1],
+            changed=changed,
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -322,6 +362,7 @@ class ClusterState:
         for stale in self._built.pop(key, ()):
             self._snap_services.pop(stale, None)
             self._snap_endpoints.pop(stale, None)
+            self._touched.add(stale)
         infos = self._services.get(key)
         if not infos:
             return
@@ -343,6 +384,7 @@ class ClusterState:
                             e.ip, number, e.ready, e.serving, e.terminating, e.node_name
                         )
         for info in infos:
+            self._touched.add(info.name)
             self._snap_services[info.name] = info
             self._snap_endpoints[info.name] = tuple(
                 merged[info.name][address] for address in sorted(merged[info.name])

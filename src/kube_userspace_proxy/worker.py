@@ -40,6 +40,8 @@ REPORT_PART = 500
 """Service ports per part of a "collected" report: a part is built here, and read and taken in
 by the control process, in one turn of a loop (at 10,000 ports a report in one piece held
 the control process's loop 70-130 ms)."""
+PoolEntry = tuple[tuple[str, str, str, str], tuple[Address, ...], float | None, int]
+"""A pool as the control process sends it: (name parts, addresses, affinity timeout, PROXY)."""
 
 
 class _Pool(EndpointPool):
@@ -103,6 +105,8 @@ class Worker:
             kind = message[0]
             if kind == "table":
                 await self.apply(*message[1:])
+            elif kind == "delta":
+                await self.apply_delta(*message[1:])
             elif kind == "ping":  # the control process checks that this loop runs
                 channel.send(self._writer, ("pong", message[1], self.index))
             elif kind == "become":  # a spare takes the slot of a worker that died
@@ -137,10 +141,47 @@ class Worker:
         seq: int,
         settings: dict[str, Any],
         listeners: Sequence[tuple[Key, str, int, int]],
-        pools: dict[int, tuple[tuple[str, str, str, str], tuple[Address, ...], float | None, int]],
+        pools: dict[int, PoolEntry],
         routes: dict[Key, tuple[int, ...]],
     ) -> None:
-        """Make the listeners and pools match the table; report group joins and leaves."""
+        """Make the listeners and pools match the whole table; report group joins and leaves."""
+        changed = self._take(settings, pools, routes)
+        wanted = {entry[0] for entry in listeners}
+        await self._drop([k for k in self._served if k not in wanted])
+        await self._upsert(listeners, changed)
+        for pool_id in [p for p in self._pools if p not in pools]:
+            del self._pools[pool_id]
+        self._forget_unserved()
+        self._answer(seq)
+
+    async def apply_delta(  # noqa: PLR0917 - the delta message, field by field
+        self,
+        seq: int,
+        settings: dict[str, Any],
+        listeners: Sequence[tuple[Key, str, int, int]],
+        removed: Sequence[Key],
+        pools: dict[int, PoolEntry],
+        routes: dict[Key, tuple[int, ...]],
+    ) -> None:
+        """Take the ports changed since the last table or delta (`removed`: gone); the rest
+        stays as it is. Costs time in proportion to the change."""
+        changed = self._take(settings, pools, routes)
+        await self._drop(removed)
+        await self._upsert(listeners, changed)
+        if removed:
+            used = {s.pool_id for s in self._served.values()}
+            for pool_id in [p for p in self._pools if p not in used]:
+                del self._pools[pool_id]
+            self._forget_unserved()
+        self._answer(seq)
+
+    def _take(
+        self,
+        settings: dict[str, Any],
+        pools: dict[int, PoolEntry],
+        routes: dict[Key, tuple[int, ...]],
+    ) -> set[int]:
+        """Take the settings, routes and pools of a table or delta; the pools that changed."""
         self.udp_idle_timeout = float(settings.get("udp_idle_timeout", self.udp_idle_timeout))
         self.tcp_keepalive = float(settings.get("tcp_keepalive", self.tcp_keepalive))
         self._routes.update(routes)
@@ -157,10 +198,17 @@ class Worker:
                     [Endpoint(ip, port) for ip, port in addresses], affinity_timeout=timeout
                 )
                 changed.add(pool_id)
-        wanted = {entry[0]: entry for entry in listeners}
-        for key in [k for k in self._served if k not in wanted]:
-            served = self._served.pop(key)
-            await self._retire(key, served.listener)
+        return changed
+
+    async def _drop(self, keys: Sequence[Key]) -> None:
+        for key in keys:
+            served = self._served.pop(key, None)
+            if served is not None:
+                await self._retire(key, served.listener)
+
+    async def _upsert(
+        self, listeners: Sequence[tuple[Key, str, int, int]], changed: set[int]
+    ) -> None:
         for key, name, pool_id, v6only in listeners:
             pool = self._pools[pool_id]
             served_now = self._served.get(key)
@@ -176,13 +224,18 @@ class Worker:
                 served_now.listener.set_picker(pool)
             elif pool_id in changed:
                 served_now.listener.refresh()
-        for pool_id in [p for p in self._pools if p not in pools]:
-            del self._pools[pool_id]
+
+    def _forget_unserved(self) -> None:
+        """Drop the counters and routes of ports no longer served."""
         names = {s.name for s in self._served.values()}
         for gone in [n for n in self._stats if n not in names]:
             del self._stats[gone]
         self._routes = {k: r for k, r in self._routes.items() if k in self._served}
-        for sock in self._adopted.values():  # handed over but no longer served
+
+    def _answer(self, seq: int) -> None:
+        # The first table or delta after a handover names every port this process serves:
+        # a socket handed over that it did not use is no longer served.
+        for sock in self._adopted.values():
             sock.close()
         self._adopted.clear()
         events, self._events = self._events, []

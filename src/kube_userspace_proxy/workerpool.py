@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 from kube_userspace_proxy import channel, fdpass, logs
@@ -76,9 +77,11 @@ class SharedPort:
 
     def refresh(self) -> None:
         """The next `publish()` carries the pool's endpoints to the workers."""
+        self._pool.touch(self)
 
     def set_picker(self, picker: Picker) -> None:
         self.picker = picker
+        self._pool.touch(self)
 
     async def close(self) -> None:
         if self._sock is not None:
@@ -174,9 +177,22 @@ class WorkerPool:
         # Reports being received, part by part: (kind, worker, request) -> what came so far.
         self._parts: dict[tuple[str, _Worker, int], tuple[dict[str, Any], ...]] = {}
         self._stopping = False
-        self._table: tuple[list[Any], dict[int, Any]] | None = None
-        self._published_shape: frozenset[tuple[Key, bool]] | None = None
         self._adopting: dict[int, asyncio.Future[Any]] = {}
+        self._published = False  # a table (or delta) went out: restarted workers need one
+        # Ports to send at the next publish (added or changed) and ports removed since.
+        self._dirty: dict[Key, SharedPort] = {}
+        self._removed: set[Key] = set()
+        # Per published port: whether the workers' sockets are in its reuseport group.
+        self._joined: dict[Key, bool] = {}
+        # What the last deltas carried, per port and per pool.
+        self._sent_ports: dict[Key, Any] = {}
+        self._sent_pools: dict[int, Any] = {}
+        self.deltas = 0
+        """Deltas published (each carries only the ports changed since the previous)."""
+        self.ports_sent = 0
+        """Port entries the deltas carried, in all (each delta's, counted once)."""
+        self.tables = 0
+        """Full tables sent (to a worker taking a slot)."""
         self.restarts = 0
         """Workers replaced after an unexpected exit."""
 
@@ -196,6 +212,8 @@ class WorkerPool:
 
     def add(self, port: SharedPort) -> None:
         self._ports[port.key] = port
+        self._dirty[port.key] = port
+        self._removed.discard(port.key)
         members = self._groups.setdefault(port.key, [])
         # A bound UDP socket is in the group from its bind on (a handed-over one already is).
         if port.key[0] == "UDP" and CONTROL not in members:
@@ -203,43 +221,64 @@ class WorkerPool:
         if not members:
             del self._groups[port.key]
 
+    def touch(self, port: SharedPort) -> None:
+        """`port`'s pool or picker changed: the next `publish()` sends it."""
+        if self._ports.get(port.key) is port:
+            self._dirty[port.key] = port
+
     def remove(self, port: SharedPort) -> None:
         if self._ports.get(port.key) is port:
             del self._ports[port.key]
+            self._dirty.pop(port.key, None)
+            self._removed.add(port.key)
         if port.key[0] == "UDP":
             self._leave(port.key, CONTROL)
 
     async def publish(self) -> None:
-        """Send the complete table to every worker, then steer the changed groups.
+        """Send every worker the ports changed since the last publish (a delta), then steer
+        the changed groups.
 
-        A table that can change a reuseport group (a new or removed port, a TCP port gaining
-        or losing all its endpoints) goes to one worker after the other, so that the order of
-        joins and leaves is known; any other table (an endpoint moved) goes to all at once.
+        Only the changed ports and their pools go out, so an endpoint move costs one entry,
+        not the table. A delta that can change a reuseport group (a new or removed port, a
+        TCP port gaining or losing all its endpoints) goes to one worker after the other, so
+        that the order of joins and leaves is known; any other delta goes to all at once.
+        A worker that takes a slot gets the full table instead (`_take_slot`).
         """
-        self._table = self._build_table()
-        shape = self._shape(self._table)
         async with self._lock:
+            if not self._dirty and not self._removed:
+                return
+            dirty, self._dirty = self._dirty, {}
+            removed, self._removed = self._removed, set()
+            listeners, pools = self._unsent(*self._entries(dirty.values()))
+            if not listeners and not removed:
+                return
+            regrouped = bool(removed)
+            for key, _, pool_id, _ in listeners:
+                joins = key[0] == "UDP" or bool(pools[pool_id][1])
+                if self._joined.get(key) != joins:
+                    self._joined[key] = joins
+                    regrouped = True
+            for key in removed:
+                self._joined.pop(key, None)
+                entry = self._sent_ports.pop(key, None)
+                if entry is not None:
+                    self._sent_pools.pop(entry[2], None)
+            self._published = True
+            self.deltas += 1
+            self.ports_sent += len(listeners)
+            delta = (listeners, sorted(removed), pools)
             changed: set[Key] = set()
             live = self._live()
-            if shape == self._published_shape:
+            if not regrouped:
                 seq = next(self._seq)
-                body = channel.encode(("table", seq, self._settings, *self._table, {}))
+                body = channel.encode(("delta", seq, self._settings, *delta, {}))
                 replies = await asyncio.gather(*(self._apply(w, body, seq) for w in live))
                 for reply in replies:
                     changed |= reply
             else:
                 for worker in live:
-                    changed |= await self._apply(worker)
-            self._published_shape = shape
+                    changed |= await self._send(worker, "delta", delta)
             self._steer(changed)
-
-    @staticmethod
-    def _shape(table: tuple[list[Any], dict[int, Any]]) -> frozenset[tuple[Key, bool]]:
-        """What decides group membership: each port, and whether workers listen on it."""
-        listeners, pools = table
-        return frozenset(
-            (key, key[0] == "UDP" or bool(pools[pool_id][1])) for key, _, pool_id, _ in listeners
-        )
 
     def affinity_summary(self, pool: EndpointPool) -> tuple[int, Pins]:
         """The pin count and the pins shown, as the workers reported them at the last
@@ -418,9 +457,12 @@ class WorkerPool:
         worker.started = time.monotonic()
         self._workers[index] = worker
         log.info("worker %d is pid %d now", index, worker.process.pid)
-        if self._table is not None:
+        if self._published:
             async with self._lock:
-                self._steer(await self._apply(worker))
+                # The whole table: the slot's earlier deltas died with the worker.
+                table = self._entries(self._ports.values())
+                self.tables += 1
+                self._steer(await self._send(worker, "table", table))
 
     def _keep_spare(self) -> None:
         if self._stopping or self._spare is not None:
@@ -504,10 +546,27 @@ class WorkerPool:
             pool_id = self._pool_ids[picker] = next(self._next_pool_id)
         return pool_id
 
-    def _build_table(self) -> tuple[list[Any], dict[int, Any]]:
+    def _unsent(
+        self, listeners: list[Any], pools: dict[int, Any]
+    ) -> tuple[list[Any], dict[int, Any]]:
+        """Leave out what the workers have already (a periodic resync refreshes every port)."""
+        fresh = {pid for pid, entry in pools.items() if self._sent_pools.get(pid) != entry}
+        listeners = [
+            entry
+            for entry in listeners
+            if entry[2] in fresh or self._sent_ports.get(entry[0]) != entry
+        ]
+        pools = {entry[2]: pools[entry[2]] for entry in listeners}
+        self._sent_pools.update(pools)
+        for entry in listeners:
+            self._sent_ports[entry[0]] = entry
+        return listeners, pools
+
+    def _entries(self, ports: Iterable[SharedPort]) -> tuple[list[Any], dict[int, Any]]:
+        """The table entries of `ports` and of their pools (plain tuples: cheap to decode)."""
         listeners = []
         pools: dict[int, Any] = {}
-        for port in self._ports.values():
+        for port in ports:
             picker = port.picker
             pool_id = self._pool_id(picker)
             if pool_id not in pools:
@@ -528,21 +587,23 @@ class WorkerPool:
         self._waiting[(kind, worker, seq)] = future
         return future
 
-    async def _apply(self, worker: _Worker, body: bytes | None = None, seq: int = 0) -> set[Key]:
-        """Send `worker` the table (`body`: already encoded, no joins expected); returns the
+    async def _send(self, worker: _Worker, kind: str, content: tuple[Any, ...]) -> set[Key]:
+        """Send `worker` a table or delta of its own, with the routes for the groups its
+        sockets will join; returns the groups whose members changed."""
+        listeners, pools = content[0], content[-1]
+        routes = {}
+        for key, _, pool_id, _ in listeners:
+            members = self._groups.get(key, [])
+            joins = key[0] == "UDP" or bool(pools[pool_id][1])
+            if joins and worker.index not in members:
+                routes[key] = steering.route_for([*members, worker.index], self.count)
+        seq = next(self._seq)
+        body = channel.encode((kind, seq, self._settings, *content, routes))
+        return await self._apply(worker, body, seq)
+
+    async def _apply(self, worker: _Worker, body: bytes, seq: int) -> set[Key]:
+        """Send `worker` an encoded table or delta and wait for its answer; returns the
         groups whose members changed."""
-        if self._table is None:
-            return set()
-        if body is None:
-            listeners, pools = self._table
-            routes = {}
-            for key, _, pool_id, _ in listeners:
-                members = self._groups.get(key, [])
-                joins = key[0] == "UDP" or bool(pools[pool_id][1])
-                if joins and worker.index not in members:
-                    routes[key] = steering.route_for([*members, worker.index], self.count)
-            seq = next(self._seq)
-            body = channel.encode(("table", seq, self._settings, listeners, pools, routes))
         done = self._request(worker, "applied", seq)
         channel.send(worker.writer, body)
         try:

@@ -452,3 +452,71 @@ async def test_reports_come_in_parts_and_are_summed_whole(
     per_report = {key: parts.count(key) for key in set(parts)}
     assert len(per_report) == WORKERS  # one collect, answered by each worker
     assert all(count >= 2 for count in per_report.values())
+
+
+def _many(count: int, ports: Sequence[int], moved: dict[int, int] | None = None) -> list[Any]:
+    """`count` Services `s0`.. each with one endpoint (`moved`: Service -> another port)."""
+    objects: list[Any] = []
+    for i in range(count):
+        port = (moved or {}).get(i, ports[i % len(ports)])
+        objects.append(service(f"s{i}", [{"name": "http", "port": 80}], cluster_ip=f"10.96.1.{i}"))
+        objects.extend(endpoint_slice(f"s{i}", "http", [("127.0.0.1", port)]))
+    return objects
+
+
+async def test_an_endpoint_move_publishes_only_the_changed_port_to_the_workers(
+    tmp_path: Path, backends: list[tuple[str, int, asyncio.Server]]
+) -> None:
+    ports = [p for _, p, _ in backends]
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(manifest, _many(20, ports))
+    async with running_proxy(loopback_config(manifest, workers=str(WORKERS))) as proxy:
+        pool = proxy.workers
+        assert pool is not None
+        await wait_for(lambda: pool.alive == WORKERS and proxy.proxier.served_count == 20)
+        s5 = ServicePortName("default", "s5", "http", Protocol.TCP)
+        port = proxy.proxier.port_of(s5)
+        assert await ask_from(CLIENTS[0], port) == "c"  # s5: ports[5 % 3]
+        deltas, sent = pool.deltas, pool.ports_sent
+        write_manifests(manifest, _many(20, ports, moved={5: ports[0]}))
+
+        async def every_worker_on_a() -> bool:
+            answers = {await ask_from(c, port) for c in CLIENTS[:8]}
+            return answers == {"a"}
+
+        deadline = time.monotonic() + 5
+        while not await every_worker_on_a():
+            assert time.monotonic() < deadline, "the workers never served the moved endpoint"
+            await asyncio.sleep(0.05)
+        assert {worker_of(c, WORKERS) for c in CLIENTS[:8]} == {0, 1}
+        assert pool.deltas == deltas + 1
+        assert pool.ports_sent == sent + 1, "the delta carried more than the changed port"
+
+
+async def test_a_restarted_worker_gets_the_full_current_table(
+    tmp_path: Path, backends: list[tuple[str, int, asyncio.Server]]
+) -> None:
+    ports = [p for _, p, _ in backends]
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(manifest, _many(12, ports))
+    async with running_proxy(loopback_config(manifest, workers=str(WORKERS))) as proxy:
+        pool = proxy.workers
+        assert pool is not None
+        await wait_for(lambda: pool.alive == WORKERS and proxy.proxier.served_count == 12)
+        # A change the workers got as a delta, before the restart.
+        names = [ServicePortName("default", f"s{i}", "http", Protocol.TCP) for i in range(12)]
+        deltas = pool.deltas
+        write_manifests(manifest, _many(12, ports, moved={4: ports[0]}))
+        await wait_for(lambda: pool.deltas > deltas, 5, "the delta")
+        victim = 1
+        tables = pool.tables
+        old_pid = pool.pids()[victim]
+        os.kill(old_pid, signal.SIGKILL)
+        await wait_for(lambda: pool.pids()[victim] not in (0, old_pid), 5, "a restart")
+        await wait_for(lambda: pool.tables == tables + 1, 5, "the full table")
+        # Every port, answered by the new worker: each Service on its current endpoint.
+        client = next(c for c in CLIENTS if worker_of(c, WORKERS) == victim)
+        names_by_port = {p: n for n, p, _ in backends}
+        for i, name in enumerate(names):
+            want = names_by_port[ports[0] if i == 4 else ports[i % len(ports)]]
+            assert await ask_from(client, proxy.proxier.port_of(name)) == want, name

@@ -858,3 +858,42 @@ def test_proxy_protocol_on_a_udp_port_is_tcp_only_with_a_warning(
     assert snapshot.services[HTTP].proxy_protocol == 2
     assert snapshot.services[dns].proxy_protocol == 0
     assert any("TCP ports only" in line for line in lines(logged, logging.WARNING))
+
+
+def test_changes_hold_only_the_service_ports_changed_since_the_last_snapshot() -> None:
+    state = ClusterState()
+    state.replace("Service", [service(f"s{i}", clusterIP=f"10.96.0.{i + 1}") for i in range(50)])
+    state.replace(
+        "EndpointSlice", [endpoint_slice(f"s{i}-a", service_name=f"s{i}") for i in range(50)]
+    )
+    first = state.changes()
+    assert first.partial and len(first.services) == 50
+    assert state.changes().changed == frozenset()  # nothing since
+    state.apply(
+        "EndpointSlice",
+        "MODIFIED",
+        endpoint_slice("s3-a", service_name="s3", endpoints=[endpoint("10.244.9.9")]),
+    )
+    state.apply("Service", "DELETED", service("s7"))
+    delta = state.changes()
+    s3, s7 = ServicePortName("default", "s3", "http"), ServicePortName("default", "s7", "http")
+    assert delta.changed == {s3, s7}
+    assert set(delta.services) == {s3}  # s7 is named as changed, and gone
+    assert [e.ip for e in delta.endpoints[s3]] == ["10.244.9.9"]
+    # The complete snapshot agrees.
+    full = state.snapshot()
+    assert not full.partial and len(full.services) == 49
+    assert [e.ip for e in full.endpoints_of(s3)] == ["10.244.9.9"]
+
+
+def test_changes_carry_the_trigger_times_and_counts_like_a_snapshot() -> None:
+    state = ClusterState()
+    state.replace("Service", [service()])
+    state.replace("EndpointSlice", [])
+    state.snapshot()
+    when = "2026-01-01T00:00:00Z"
+    annotations = {"endpoints.kubernetes.io/last-change-trigger-time": when}
+    state.apply("EndpointSlice", "ADDED", endpoint_slice(annotations=annotations))
+    delta = state.changes()
+    assert delta.endpoint_changes == 1 and len(delta.trigger_times) == 1
+    assert state.changes().trigger_times == ()

@@ -1,0 +1,88 @@
+"""Changes reach the data plane without waiting for the sync runner, when no rule changes.
+
+The real kubernetes-asyncio client follows the fake API server; the proxy runs in this event
+loop with `--iptables-min-sync-period` 60 s, so a change that waited for a rule sync would
+wait a minute. A rule sink at the proxier's boundary records every rule commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+
+import aiohttp
+import pytest
+
+from kube_userspace_proxy.metrics import sample_value
+from kube_userspace_proxy.model import ServicePortName
+from tests.control.conftest import endpoint_slice, eventually, service
+from tests.control.test_kube_end_to_end import kube_config
+from tests.fakes.apiserver import FakeApiServer
+from tests.loopback.proxyrun import ask, running_proxy, start_named_backends
+from tests.loopback.test_proxier import RecordingRules
+
+MIN_SYNC_PERIOD = 60.0
+WEB = ServicePortName("default", "web", "http")
+
+
+@pytest.mark.timeout(60)
+async def test_an_endpoint_only_change_reaches_the_pool_without_the_runner_or_a_commit(
+    apiserver: FakeApiServer, kubeconfig: str
+) -> None:
+    backends = await start_named_backends(["pod-a", "pod-b"])
+    (_, port_a, _), (_, port_b, _) = backends
+    try:
+        apiserver.create(service("web"))
+        apiserver.create(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_a))
+        config = kube_config(kubeconfig, min_sync_period=MIN_SYNC_PERIOD, sync_period=300.0)
+        async with running_proxy(config) as proxy:
+            await eventually(lambda: proxy.proxier.port_of(WEB), timeout=10, what="web served")
+            assert await ask(proxy.proxier.port_of(WEB)) == "pod-a"
+            rules = RecordingRules()
+            proxy.proxier.set_rule_sink(rules)
+            # A new Service needs rules: it spends the runner's second burst token.
+            apiserver.create(service("other", cluster_ip="10.96.0.11"))
+            await eventually(lambda: rules.applied, timeout=10, what="the rule commit")
+            runs, commits = proxy.runner.runs, len(rules.applied)
+            ops = proxy.ops
+            assert ops is not None
+            before = await _programming_count(ops.metrics_port)
+
+            # The runner has no token left for a minute; the endpoint moves all the same.
+            moved = endpoint_slice(
+                "web-a", "web", ["127.0.0.1"], port=port_b, trigger_time=_now_rfc3339()
+            )
+            apiserver.update(moved)
+
+            deadline = time.monotonic() + 10
+            while await ask(proxy.proxier.port_of(WEB)) != "pod-b":
+                assert time.monotonic() < deadline, "the moved endpoint was never served"
+                await asyncio.sleep(0.01)
+            assert proxy.runner.runs == runs, "the change waited for the sync runner"
+            assert len(rules.applied) == commits, "an endpoint-only change committed rules"
+            # Its network-programming latency is observed when it is served, not at a commit.
+            assert await _programming_count(ops.metrics_port) > before
+
+            # A change that does need rules is served at once but its commit waits its turn.
+            third = ServicePortName("default", "third", "http")
+            apiserver.create(service("third", cluster_ip="10.96.0.12"))
+            await eventually(lambda: proxy.proxier.port_of(third), timeout=10, what="listener")
+            assert proxy.proxier.rules_pending
+            assert len(rules.applied) == commits
+    finally:
+        for _, _, server in backends:
+            server.close()
+
+
+def _now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def _programming_count(port: int | None) -> float:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{port}/metrics") as response,
+    ):
+        text = await response.text()
+    return sample_value(text, "kubeproxy_network_programming_duration_seconds_count", {}) or 0.0
