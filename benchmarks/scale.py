@@ -36,6 +36,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -321,6 +322,28 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
     ]
     started = time.monotonic()
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)  # noqa: ASYNC220
+    spy = None
+    if args.profile_dir:
+        # Where the start-up goes: py-spy samples the proxy (and workers) from its start.
+        spy = subprocess.Popen(  # noqa: ASYNC220
+            [
+                str(ROOT / ".venv" / "bin" / "py-spy"),
+                "record",
+                "--pid",
+                str(proc.pid),
+                "--subprocesses",
+                "--rate",
+                "200",
+                "--duration",
+                str(int(args.profile_seconds)),
+                "--format",
+                "raw",
+                "--output",
+                str(Path(args.profile_dir) / f"startup-{n}x{per}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     result: dict[str, Any] = {"services": n, "endpoints": per, "workers": args.workers}
     try:
         ips = [cluster_ip(i) for i in range(n)] + ["10.96.240.1"]
@@ -399,6 +422,10 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
             proc.wait()
         log.close()
         await fake.stop()
+        if spy is not None:
+            spy.wait()
+        if args.profile_dir:
+            shutil.copy(tmp / f"proxy-{n}x{per}.log", Path(args.profile_dir))
     return result
 
 
@@ -431,6 +458,9 @@ def run_scenario(topo: Topology, tmp: Path, spec: str, args: argparse.Namespace)
         str(args.start_deadline),
         "--workers",
         args.workers,
+        *(["--profile-dir", args.profile_dir] if args.profile_dir else []),
+        "--profile-seconds",
+        str(args.profile_seconds),
     ]
     done = subprocess.run(
         ["ip", "netns", "exec", topo.node.name, *inner],
@@ -558,6 +588,12 @@ def main() -> int:
     parser.add_argument("--start-deadline", type=float, default=180.0)
     parser.add_argument("--workers", default="1", help="the proxy's --workers")
     parser.add_argument("--quick", action="store_true", help="1,000 only, 5 changes, short")
+    parser.add_argument(
+        "--profile-dir",
+        help="record the proxy's first --profile-seconds with py-spy (collapsed stacks) and"
+        " keep its log, in this directory",
+    )
+    parser.add_argument("--profile-seconds", type=float, default=20.0)
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--services", type=int, help=argparse.SUPPRESS)

@@ -34,6 +34,8 @@ from kube_userspace_proxy.ports import DescriptorBudget, PortAllocator
 
 log = logs.get(__name__)
 
+LOG_EACH_OPENED = 100
+"""New service ports in one sync up to which each gets an INFO line."""
 SLICE_SECONDS = 0.004
 """Longest run of reconciling service ports between two turns of the event loop."""
 
@@ -363,8 +365,13 @@ class Proxier:
         # Listeners serve their endpoints before any rule points at them.
         await self._dataplane.publish()
         opened, self._opened = self._opened, []
+        # One line per new service port, unless a sync opens thousands (a start at scale):
+        # then one line in all, and the ports at DEBUG (/debug/state lists them).
+        each = log.info if len(opened) <= LOG_EACH_OPENED else log.debug
+        if len(opened) > LOG_EACH_OPENED:
+            log.info("serving %d new service ports (each one at -v 4)", len(opened))
         for served in opened:
-            log.info(
+            each(
                 "%s -> %s:%d (%d endpoints)",
                 served.info.name,
                 self._allocator.host,
