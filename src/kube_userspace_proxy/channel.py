@@ -35,6 +35,18 @@ def send(writer: asyncio.StreamWriter, message: tuple[Any, ...] | bytes) -> None
     writer.write(message if isinstance(message, bytes) else encode(message))
 
 
+def pack(value: Any) -> bytes:
+    """`value` (plain tuples, strings and numbers) as bytes to carry inside a message and read
+    later with `unpack`: a bytes object is one thing the garbage collector never walks, where
+    the same data as tuples is several things it walks until it has seen them."""
+    return marshal.dumps(value)
+
+
+def unpack(data: bytes) -> Any:
+    """The value `pack` made."""
+    return marshal.loads(data)
+
+
 async def receive(reader: asyncio.StreamReader) -> tuple[Any, ...]:
     """The next message; raises asyncio.IncompleteReadError at end of stream."""
     (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))

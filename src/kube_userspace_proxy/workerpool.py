@@ -171,9 +171,9 @@ class WorkerPool:
         self._waiting: dict[tuple[str, _Worker, int], asyncio.Future[Any]] = {}
         self._reports: dict[int, dict[str, tuple[int, ...]]] = {}
         self._dead_totals: dict[str, list[int]] = {}
-        # The last debug report of each worker (by index): pool id -> pins, balancer.
-        self._affinity: dict[int, dict[int, tuple[int, Pins]]] = {}
-        self._balancers: dict[int, dict[int, Any]] = {}
+        # The last debug report of each worker (by index): pool id -> its pins and balancer,
+        # `channel.pack`ed (see worker.Worker._collect); read a pool at a time by the views.
+        self._views: dict[int, dict[int, bytes]] = {}
         # Reports being received, part by part: (kind, worker, request) -> what came so far.
         self._parts: dict[tuple[str, _Worker, int], tuple[dict[str, Any], ...]] = {}
         self._stopping = False
@@ -283,15 +283,24 @@ class WorkerPool:
     def affinity_summary(self, pool: EndpointPool) -> tuple[int, Pins]:
         """The pin count and the pins shown, as the workers reported them at the last
         `collect(debug=True)`."""
-        pool_id = self._pool_ids.get(pool)
         count = 0
         shown: Pins = []
-        for reported in self._affinity.values():
-            pins = reported.get(pool_id) if pool_id is not None else None
-            if pins is not None:
-                count += pins[0]
-                shown += pins[1][: PINS_SHOWN - len(shown)]
+        for _, view in self._reported_views(pool):
+            count += view[0]
+            shown += view[1][: PINS_SHOWN - len(shown)]
         return count, shown
+
+    def _reported_views(self, pool: EndpointPool) -> list[tuple[int, tuple[Any, ...]]]:
+        """(worker, (pins, pins shown, tallies, recent picks, penalized)) of `pool`, as each
+        worker reported it at the last `collect(debug=True)`, in worker order."""
+        pool_id = self._pool_ids.get(pool)
+        if pool_id is None:
+            return []
+        return [
+            (worker, channel.unpack(reported[pool_id]))
+            for worker, reported in sorted(self._views.items())
+            if pool_id in reported
+        ]
 
     async def heartbeat(self, interval: float = 1.0) -> None:
         """Ping every worker's event loop each `interval` seconds (a root task)."""
@@ -318,16 +327,10 @@ class WorkerPool:
         Endpoint counters are summed over the running workers (a dead worker's are lost);
         each worker balances on its own, so picks are listed per worker.
         """
-        pool_id = self._pool_ids.get(pool)
-        seen = [
-            (worker, reported[pool_id])
-            for worker, reported in self._balancers.items()
-            if pool_id is not None and pool_id in reported
-        ]
         sums: dict[Address, list[int]] = {a: [0] * 5 for a in pool.addresses}
         penalized: dict[Address, float] = {}
         picks: list[tuple[int | None, list[tuple[Address, str]]]] = []
-        for worker, (tallies, recent, penalties) in sorted(seen, key=lambda item: item[0]):
+        for worker, (_, _, tallies, recent, penalties) in self._reported_views(pool):
             for address, values in tallies:
                 total = sums.get(address)
                 if total is not None:
@@ -652,8 +655,8 @@ class WorkerPool:
         """Ask every worker for its counters and sum them into the proxier's ConnStats.
 
         Reports come in parts (worker.REPORT_PART service ports each), taken in one per turn of
-        the loop; pins and balancers are kept per worker and merged for one pool at a time
-        when a view asks: no step walks all 10,000 service ports at once.
+        the loop; pins and balancers are kept per worker, packed, and merged for one pool at a
+        time when a view asks: no step walks all 10,000 service ports at once.
         """
         request = next(self._seq)
         live = self._live()
@@ -667,18 +670,15 @@ class WorkerPool:
         for worker in live:  # what is left of a worker that timed out or died
             self._waiting.pop(("collected", worker, request), None)
             self._parts.pop(("collected", worker, request), None)
-        affinity: dict[int, dict[int, tuple[int, Pins]]] = {}
-        balancers: dict[int, dict[int, Any]] = {}
+        views: dict[int, dict[int, bytes]] = {}
         for reply in replies:
             if isinstance(reply, BaseException):
                 continue
-            index, (stats, pins, seen) = reply
+            index, (stats, reported) = reply
             self._reports[index] = stats
-            affinity[index] = pins
-            balancers[index] = seen
+            views[index] = reported
         if debug:
-            self._affinity = affinity
-            self._balancers = balancers
+            self._views = views
         await self._sum()
 
     def _take_part(self, worker: _Worker, message: tuple[Any, ...]) -> None:
@@ -687,11 +687,10 @@ class WorkerPool:
         future = self._waiting.get(key)
         if future is None or future.done():
             return  # the collect gave up on this worker
-        stats, affinity, balancers = self._parts.setdefault(key, ({}, {}, {}))
+        stats, views = self._parts.setdefault(key, ({}, {}))
         stats.update(message[3])
-        affinity.update(message[4] or {})
-        balancers.update(message[5] or {})
-        if message[6]:
+        views.update(message[4] or {})
+        if message[5]:
             del self._waiting[key]
             future.set_result((message[2], self._parts.pop(key)))
 
