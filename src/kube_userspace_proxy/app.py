@@ -640,7 +640,23 @@ async def serve(
 
 
 async def _take_over(proxy: Proxy, taken: handover.Taken) -> None:
-    """Serve everything the running proxy handed over, then tell it so (it stops)."""
+    """Serve everything the running proxy handed over, then tell it so (it stops).
+
+    Any failure is a ProxyError: the caller then kills the workers, so that nothing closes
+    or shuts down the handed-over sockets the running proxy still serves.
+    """
+    try:
+        await _adopt_everything(proxy, taken)
+    except ProxyError:
+        raise
+    except Exception as exc:
+        raise ProxyError(
+            f"the handover from the running proxy (pid {taken.peer}) failed: {exc!r}; it serves on"
+        ) from exc
+    log.info("serving every port the earlier process served; it stops accepting and drains")
+
+
+async def _adopt_everything(proxy: Proxy, taken: handover.Taken) -> None:
     config = proxy.config
     pool = proxy.workers
     if pool is None:
@@ -654,7 +670,6 @@ async def _take_over(proxy: Proxy, taken: handover.Taken) -> None:
     await proxy.adopt(taken)
     await taken.serving()
     taken.close()  # the handed-over sockets nothing took (e.g. ops ones on another address)
-    log.info("serving every port the earlier process served; it stops accepting and drains")
 
 
 async def _no_workers() -> dict[int, str]:

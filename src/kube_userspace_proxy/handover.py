@@ -184,7 +184,7 @@ async def _give(conn: socket.socket, giver: Giver) -> bool:
             serving, _ = await fdpass.receive(conn)
         if serving.get("op") != "serving":
             raise fdpass.PeerError(f"expected 'serving', got {serving!r}")
-    except (OSError, TimeoutError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except Exception as exc:  # whatever went wrong, this process serves on
         log.warning("the handover to process %d failed (%r); serving on", peer, exc)
         if held:
             giver.resume()
