@@ -36,7 +36,7 @@ Address = tuple[str, int]
 COUNTERS = tuple(f.name for f in dataclasses.fields(ConnStats))
 HANDOVER_TIMEOUT = 60.0
 """Seconds a worker waits for its predecessor's sockets (the old process may be busy)."""
-REPORT_PART = 500
+REPORT_PART = 250
 """Service ports per part of a "collected" report: a part is built here, and read and taken in
 by the control process, in one turn of a loop (at 10,000 ports a report in one piece held
 the control process's loop 70-130 ms)."""

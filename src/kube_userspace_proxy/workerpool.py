@@ -41,7 +41,7 @@ START_TIMEOUT = 10.0
 CHANNEL_BUFFER = 4 * 1024 * 1024
 APPLY_TIMEOUT = 10.0
 COLLECT_TIMEOUT = 2.0
-SUM_PART = 500
+SUM_PART = 200
 """Ports whose counters `collect` sums between two yields to the event loop."""
 RESTART_DELAYS = (0.0, 0.25, 1.0, 2.0, 5.0)
 
