@@ -39,7 +39,7 @@ HANDOVER_TIMEOUT = 60.0
 REPORT_PART = 250
 """Service ports per part of a "collected" report: a part is built here, and read and taken in
 by the control process, in one turn of a loop (at 10,000 ports a report in one piece held
-the control process's loop 70-130 ms)."""
+the control process's loop for 70-235 ms of CPU)."""
 PoolEntry = tuple[tuple[str, str, str, str], tuple[Address, ...], float | None, int]
 """A pool as the control process sends it: (name parts, addresses, affinity timeout, PROXY)."""
 
@@ -404,7 +404,7 @@ class Worker:
 
         A pool's debug data travels `channel.pack`ed, and the control process keeps it so
         until a view reads it: 10,000 pools as nested tuples were ~140,000 objects for its
-        garbage collector to walk, and its full passes took 10-25 ms.
+        garbage collector to walk, and its full passes took 10-25 ms of CPU.
         """
         stats = list(self._stats.items())
         pools = list(self._pools.items()) if debug else []
