@@ -322,28 +322,21 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
     ]
     started = time.monotonic()
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)  # noqa: ASYNC220
-    spy = None
-    if args.profile_dir:
-        # Where the start-up goes: py-spy samples the proxy (and workers) from its start.
-        spy = subprocess.Popen(  # noqa: ASYNC220
-            [
-                str(ROOT / ".venv" / "bin" / "py-spy"),
-                "record",
-                "--pid",
-                str(proc.pid),
-                "--subprocesses",
-                "--rate",
-                "200",
-                "--duration",
-                str(int(args.profile_seconds)),
-                "--format",
-                "raw",
-                "--output",
-                str(Path(args.profile_dir) / f"startup-{n}x{per}.txt"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+    spies: list[subprocess.Popen[bytes]] = []
+
+    def profile(phase: str, seconds: float) -> None:
+        """Sample the proxy (and its workers) with py-spy for `seconds`, if this phase is asked."""
+        if args.profile_dir and args.profile_phase == phase:
+            out = Path(args.profile_dir) / f"{phase}-{n}x{per}.txt"
+            spy = ROOT / ".venv" / "bin" / "py-spy"
+            argv = [str(spy), "record", "--pid", str(proc.pid), "--subprocesses", "--rate"]
+            argv += ["200", "--duration", str(max(1, int(seconds))), "--format", "raw"]
+            argv += ["--output", str(out)]
+            spies.append(
+                subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+
+    profile("startup", args.profile_seconds)
     result: dict[str, Any] = {"services": n, "endpoints": per, "workers": args.workers}
     try:
         ips = [cluster_ip(i) for i in range(n)] + ["10.96.240.1"]
@@ -363,6 +356,7 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
         result["fds_max"] = max(p["fds"] for p in result["processes"])
 
         # Add a Service: the Service and its slice created together.
+        profile("changes", 2 * args.changes * (args.spacing + 0.3))
         adds: list[float] = []
         for k in range(args.changes):
             name, ip = f"new-{k}", f"10.96.241.{k + 1}"
@@ -407,6 +401,7 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
             )
             cpu0 = tree_cpu(proc.pid)
             if phase == "storm":
+                profile("storm", args.storm)
                 phases["changes"] = await storm(fake, names, addresses, args.storm_rate, args.storm)
             out, _ = await probes.communicate()
             cpu = 100 * (tree_cpu(proc.pid) - cpu0) / args.storm
@@ -422,7 +417,7 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
             proc.wait()
         log.close()
         await fake.stop()
-        if spy is not None:
+        for spy in spies:
             spy.wait()
         if args.profile_dir:
             shutil.copy(tmp / f"proxy-{n}x{per}.log", Path(args.profile_dir))
@@ -459,6 +454,8 @@ def run_scenario(topo: Topology, tmp: Path, spec: str, args: argparse.Namespace)
         "--workers",
         args.workers,
         *(["--profile-dir", args.profile_dir] if args.profile_dir else []),
+        "--profile-phase",
+        args.profile_phase,
         "--profile-seconds",
         str(args.profile_seconds),
     ]
@@ -590,10 +587,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="1,000 only, 5 changes, short")
     parser.add_argument(
         "--profile-dir",
-        help="record the proxy's first --profile-seconds with py-spy (collapsed stacks) and"
+        help="record one --profile-phase of the proxy with py-spy (collapsed stacks) and"
         " keep its log, in this directory",
     )
-    parser.add_argument("--profile-seconds", type=float, default=20.0)
+    parser.add_argument(
+        "--profile-phase", choices=("startup", "changes", "storm"), default="startup"
+    )
+    parser.add_argument("--profile-seconds", type=float, default=20.0, help="for the startup")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--services", type=int, help=argparse.SUPPRESS)

@@ -46,6 +46,9 @@ from kube_userspace_proxy.workerpool import WorkerPool
 log = logs.get(__name__)
 T = TypeVar("T")
 
+STATE_FILE_INTERVAL = 5.0
+"""Seconds between two writes of the state file while changes keep coming."""
+
 
 def raise_nofile_limit() -> int:
     """Raise RLIMIT_NOFILE's soft limit to the hard limit (each proxied connection needs two)."""
@@ -103,6 +106,7 @@ class Proxy:
         """Syncs completed (listeners, workers and rules all updated)."""
         self._saved: Snapshot | None = None
         self._unsaved = False
+        self._entries: statefile.EntryCache = {}  # the state file's entries, kept encoded
         self._saver: asyncio.Task[None] | None = None
         self._apply_wanted = asyncio.Event()
         self._applied_once = False
@@ -380,8 +384,13 @@ class Proxy:
         if self._saver is None or self._saver.done():
             self._saver = asyncio.create_task(self._save_loop(), name="state-file")
 
+    def _save(self, snapshot: Snapshot, targets: Sequence[ProxiedPort]) -> None:
+        ports = Proxier.ports_of(targets)
+        statefile.save(self.config.state_dir, snapshot, ports, self._entries)
+
     async def _save_loop(self) -> None:
-        # At most one write a second: at 10,000 Services the file is megabytes.
+        # At most one write every STATE_FILE_INTERVAL: at 10,000 Services the file is
+        # megabytes, and the thread that writes it takes the GIL from the event loop.
         while self._unsaved:
             self._unsaved = False
             snapshot = self.applied_state()
@@ -394,15 +403,16 @@ class Proxy:
             ):
                 continue
             self._saved = snapshot
-            ports = self.proxier.served_ports()
+            # The rule targets are immutable: their ports are read in the thread, not here.
+            targets = self.proxier.proxied_ports()
             try:
-                await asyncio.to_thread(statefile.save, self.config.state_dir, snapshot, ports)
+                await asyncio.to_thread(self._save, snapshot, targets)
                 self._save_failed = False
             except OSError as exc:
                 if not self._save_failed:
                     log.warning("cannot write the state file in %s: %s", self.config.state_dir, exc)
                 self._save_failed = True
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(STATE_FILE_INTERVAL)
 
     async def collect(self, *, debug: bool = False) -> None:
         """Bring the per-service-port counters up to date (summed from the workers)."""

@@ -292,6 +292,18 @@ class Proxier:
             for path, listener in served.listeners.items()
         }
 
+    @staticmethod
+    def ports_of(targets: Iterable[ProxiedPort]) -> dict[ClaimKey, int]:
+        """`served_ports` from rule targets (`proxied_ports()`): safe in another thread."""
+        ports: dict[ClaimKey, int] = {}
+        for target in targets:
+            name = target.info.name
+            if target.cluster_port:
+                ports[(str(name), str(name.protocol), str(Path.CLUSTER))] = target.cluster_port
+            if target.external_port != target.cluster_port:
+                ports[(str(name), str(name.protocol), str(Path.EXTERNAL))] = target.external_port
+        return ports
+
     def set_rule_sink(self, portals: RuleSink | None) -> None:
         """Send each sync's rule targets to `portals` (None: serve proxy ports only)."""
         self._portals = portals

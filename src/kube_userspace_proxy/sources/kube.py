@@ -46,6 +46,8 @@ PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
 HEADLESS_LABEL = "service.kubernetes.io/headless"
 
 Kind = Literal["Service", "EndpointSlice", "Node"]
+EVENTS_SLICE_SECONDS = 0.004
+"""Longest run of watch events taken in before the loop gets a turn."""
 
 
 def label_selector(service_proxy_name: str | None = None) -> str:
@@ -565,7 +567,13 @@ class KubeSource:
         events = 0
         async with response:
             await _check(response)
+            turn = time.perf_counter()
             async for line in _json_lines(response.content):
+                if time.perf_counter() - turn > EVENTS_SLICE_SECONDS:
+                    # A storm's events come many to a chunk: let connections (and the apply
+                    # of the events so far) in between, rather than take them all in one turn.
+                    await asyncio.sleep(0)
+                    turn = time.perf_counter()
                 type_, obj = parse_event(line)
                 if type_ == "ERROR":
                     code, reason = _error_status(obj)
