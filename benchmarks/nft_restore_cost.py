@@ -1,10 +1,13 @@
-"""What one small change costs `iptables-nft-restore --noflush` beside a big chain.
+"""What one small change costs `iptables-nft-restore --noflush` beside big chains.
 
 In a network namespace created for the run (and deleted after), a nat chain gets `--rules`
-REDIRECT rules (one per service port, as the portal chains hold them); then each kind of
-one-change input is timed (`--repeat` runs, median): an append to the big chain, a delete by
-text and by number in it, and a flush of / an append to a small chain. It shows why a moved
-or removed service port costs ~300 ms at 10,000 rules while an added one costs ~20 ms.
+REDIRECT rules (one per service port, as the portal chains held them before the shards), and
+as many again are spread over 256 shard chains behind an entry chain (as they are held now).
+Then each kind of one-change input is timed (`--repeat` runs, median): an append to the big
+chain, a delete by text and by number in it, a delete and an append in a shard, an append to a
+shard, a flush of / an append to a small chain, and adding and removing a chain with its jump.
+It shows why the rules live in shards: a delete in the 10,000-rule chain costs hundreds of
+milliseconds (iptables-nft loads the whole chain to find the rule), one in a shard tens.
 
     sudo .venv/bin/python benchmarks/nft_restore_cost.py [--rules 10000] [--repeat 5]
 """
@@ -34,27 +37,50 @@ def rule(i: int, port: int) -> str:
     )
 
 
+SHARDS = 256
+
+
+def shard_rule(i: int, port: int) -> str:
+    """Rule `i` in its shard of the entry chain KUBE-ENTRY (i % 256), as the proxy lays out."""
+    return rule(i, port).replace(BIG, f"KUBE-ENTRY-{i % SHARDS:02X}", 1)
+
+
 def inside(rules: int, repeat: int) -> None:
-    lines = ["*nat", f":{BIG} - [0:0]", ":KUBE-SMALL - [0:0]"]
+    shards = [f"KUBE-ENTRY-{k:02X}" for k in range(SHARDS)]
+    lines = ["*nat", f":{BIG} - [0:0]", ":KUBE-SMALL - [0:0]", ":KUBE-ENTRY - [0:0]"]
+    lines += [f":{chain} - [0:0]" for chain in shards]
     lines += [f"-A {rule(i, 20000 + i)}" for i in range(rules)]
-    lines += ["-A KUBE-SMALL -d 10.97.0.1/32 -p tcp -j REDIRECT --to-ports 1", "COMMIT", ""]
-    print(f"| {rules:,} rules from scratch | {1000 * restore(chr(10).join(lines)):.0f} ms |")
+    lines += ["-A KUBE-SMALL -d 10.97.0.1/32 -p tcp -j REDIRECT --to-ports 1"]
+    lines += [f"-A KUBE-ENTRY -j {chain}" for chain in shards]
+    lines += [f"-A {shard_rule(i, 20000 + i)}" for i in range(rules)]
+    lines += ["COMMIT", ""]
+    print(
+        f"| {rules:,} rules in one chain and {rules:,} in {SHARDS} shards, from scratch"
+        f" | {1000 * restore(chr(10).join(lines)):.0f} ms |"
+    )
     times: dict[str, list[float]] = {}
     for k in range(repeat):
-        i = 100 + k
+        i = 100 + k * SHARDS
         cases = {
             f"append one rule to the {rules:,}-rule chain": f"-A {rule(rules + k, 1)}",
             "`-D` one rule (by its text) and append one, in that chain": (
                 f"-D {rule(i, 20000 + i)}\n-A {rule(i, 40000 + i)}"
             ),
             "`-D` one rule by number in that chain": f"-D {BIG} {200 + k}",
+            f"`-D` one rule (by its text) and append one, in a {rules // SHARDS}-rule shard": (
+                f"-D {shard_rule(i, 20000 + i)}\n-A {shard_rule(i, 40000 + i)}"
+            ),
+            "append one rule to a shard": f"-A {shard_rule(rules + k, 1)}",
             "flush a one-rule chain and append to it": (
                 ":KUBE-SMALL - [0:0]\n"
                 f"-A KUBE-SMALL -d 10.97.0.1/32 -p tcp -j REDIRECT --to-ports {k + 2}"
             ),
-            "declare a chain, one rule in it, append a jump to it to the big chain": (
+            f"declare a chain, one rule in it, a jump to it in the {SHARDS}-jump entry chain": (
                 f":KUBE-NEW{k} - [0:0]\n-A KUBE-NEW{k} -p tcp -j REDIRECT --to-ports 5\n"
-                f"-A {BIG} -d 10.98.0.{k + 1}/32 -j KUBE-NEW{k}"
+                f"-A KUBE-ENTRY -j KUBE-NEW{k}"
+            ),
+            "delete that jump, flush and delete that chain (`-D`, `-F`, `-X`)": (
+                f"-D KUBE-ENTRY -j KUBE-NEW{k}\n-F KUBE-NEW{k}\n-X KUBE-NEW{k}"
             ),
         }
         for name, body in cases.items():
