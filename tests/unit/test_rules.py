@@ -807,3 +807,32 @@ def test_every_proxy_port_is_guarded_against_direct_connections() -> None:
 def test_the_guard_can_be_turned_off() -> None:
     s = replace(NODE, guard=False)
     assert not [r for r in render([port(node_port=30080)], s) if r.chain.startswith(PROXY_PORTS)]
+
+
+def test_only_changed_service_ports_are_rendered_and_their_shards_rebuilt() -> None:
+    desired = Desired(NODE)
+    before = services(range(200))
+    assert desired.update(before) == 200
+    chains = dict(desired.tables([4])[(4, "nat")].chains)
+    assert desired.update(before) == 0
+    assert desired.update(list(before)) == 0  # the same objects in a new list
+    moved = services([7], proxy_base=41000)[0]
+    assert desired.update([*before[:7], moved, *before[8:]]) == 1
+    after = desired.tables([4])[(4, "nat")].chains
+    changed = {c for c in after if after[c] is not chains.get(c)}
+    # Only the moved port's shard of each nat chain it has rules in: the others are the
+    # very same tuples, which the planner passes over by identity.
+    assert changed == {r.chain for r in services_rules([moved]) if r.table == "nat"}
+
+
+def test_a_shard_that_empties_is_dropped_with_its_jump() -> None:
+    table = FakeTable("nat")
+    ports = services(range(3))
+    _, state = sync(table, nat(ports), None)
+    gone = ports[1]
+    shards = {r.chain for r in services_rules([gone]) if r.table == "nat"}
+    assert shards and not shards & {r.chain for r in services_rules([ports[0], ports[2]])}
+    step, _ = sync(table, nat([ports[0], ports[2]]), state)
+    assert {op.chain for op in step.ops if isinstance(op, plan.DropChain)} == shards
+    assert not shards & set(table.chains)
+    assert holds(table, nat([ports[0], ports[2]]))

@@ -77,6 +77,9 @@ class Desired:
         for pp in ports:
             new[pp.info.name] = pp
             prev = old.get(pp.info.name)
+            if prev is pp:  # the proxier keeps an unchanged target's very object
+                kept += 1
+                continue
             if prev is not None:
                 kept += 1
             if (
