@@ -313,7 +313,7 @@ async def main(ports: int, fetches: int, workers: int) -> dict[str, Any]:
                 if workers == 1
                 else ""
             )
-            + f"; {fetches} fetches each"
+            + f"; {fetches} fetches each; load average {os.getloadavg()[0]:.2f} at the start"
         )
         print(setting)
         results: dict[str, Any] = {"setting": setting, "rows": {}}
@@ -337,6 +337,8 @@ async def main(ports: int, fetches: int, workers: int) -> dict[str, Any]:
                 f" | {row['fetches']} fetches {row['fetch_total_ms']:7.1f} ms in all,"
                 f" {row['body_mb']:5.2f} MB"
             )
+        results["load_average_at_end"] = os.getloadavg()[0]
+        print(f"  load average {results['load_average_at_end']:.2f} at the end")
         await runner.cleanup()
         stop.set()
         await serving
