@@ -42,6 +42,7 @@ minutes (2 CPUs, busy); a round that would end after `--budget` seconds is not s
     sudo .venv/bin/python benchmarks/peers.py [--quick] [--rounds 3] [--seconds 5]
         [--bulk-seconds 3] [--setup-count 1000] [--idle 9000] [--clients 8]
         [--peers kernel,proxy-1,...] [--budget 540] [--out benchmarks/results]
+        [--baseline OTHER_CHECKOUT/src]   # also base-1, base-auto: that tree's proxy
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ stream {{
 # Short-lived children of a peer, left out of its sums.
 HELPERS = ("iptables", "ip6tables", "xtables")
 PEERS = ("kernel", "proxy-1", "proxy-auto", "haproxy", "nginx")
+BASELINE_PEERS = ("base-1", "base-auto")  # with --baseline SRC: this proxy from another tree
 # A proxied connection holds two descriptors: 9,400 of them fit under RLIMIT_NOFILE 20,000.
 MAX_PROXIED = 9400
 
@@ -174,6 +176,7 @@ class ThisProxy(Peer):
 
     workers: str = "1"
     backend: str = "restore"
+    src: str | None = None  # another checkout's src/ (--baseline): run its code instead
     proxy: Proxy | None = field(default=None, repr=False)
 
     def start(self, bed: Testbed, tmp: Path) -> None:
@@ -191,6 +194,7 @@ class ThisProxy(Peer):
             manifest,
             tmp / f"{self.key}.log",
             (*flags, "--workers", self.workers),
+            wrapper=() if self.src is None else ("env", f"PYTHONPATH={self.src}"),
         )
         self.proxy.start()
         self.proc = self.proxy.proc
@@ -272,9 +276,9 @@ def wait_listening(
     wait_for(up, f"listening on {ports}")
 
 
-def make_peers(backend: str, clients: int) -> list[Peer]:
+def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[Peer]:
     """The peers; peer i has ClusterIPs 10.96.0.1i (web) and .2i (bulk) and `clients` client
-    addresses from 10.244.1.(32 + 8i) up."""
+    addresses from 10.244.1.(32 + 8i) up. `baseline`: also this proxy from that `src/`."""
     haproxy = version("haproxy", "-v").split(" - ")[0].replace("HAProxy version ", "HAProxy ")
     nginx = version("nginx", "-v").replace("nginx version: nginx/", "nginx ")
 
@@ -294,6 +298,21 @@ def make_peers(backend: str, clients: int) -> list[Peer]:
         ),
         Haproxy("haproxy", f"{haproxy.split('-')[0]}, nbthread {WORKERS}", *at(3), threads=WORKERS),
         NginxStream("nginx", f"{nginx} stream, {WORKERS} workers", *at(4), workers=WORKERS),
+        *(
+            []
+            if baseline is None
+            else [
+                ThisProxy("base-1", "baseline, --workers 1", *at(5), backend=backend, src=baseline),
+                ThisProxy(
+                    "base-auto",
+                    f"baseline, --workers auto ({WORKERS})",
+                    *at(6),
+                    workers="auto",
+                    backend=backend,
+                    src=baseline,
+                ),
+            ]
+        ),
     ]
 
 
@@ -792,6 +811,11 @@ def main() -> int:
         "--budget", type=float, default=540, help="seconds; no round starts past it (540)"
     )
     parser.add_argument(
+        "--baseline",
+        metavar="SRC",
+        help="also run this proxy from another checkout's src/ (peers base-1, base-auto)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results", help="output directory"
     )
     args = parser.parse_args()
@@ -814,14 +838,19 @@ def main() -> int:
     if not 1 <= args.idle <= MAX_PROXIED or not 1 <= args.connections <= 4000:
         parser.error(f"--idle must be 1..{MAX_PROXIED} and --connections 1..4000")
     wanted = {"kernel", *args.peers.split(",")}
-    if wanted - set(PEERS):
+    if args.baseline is not None:
+        args.baseline = str(Path(args.baseline).resolve())
+        wanted |= set(BASELINE_PEERS)
+    if wanted - set(PEERS) - set(BASELINE_PEERS):
         parser.error(f"unknown peers {sorted(wanted - set(PEERS))}; known: {', '.join(PEERS)}")
     reason = available() or install_missing(PACKAGES, extra="bench")
     if reason:
         print(f"peers: {reason}", file=sys.stderr)
         return 2
     # Made after installing: the labels name the versions.
-    peers = [p for p in make_peers(args.iptables_backend, args.clients) if p.key in wanted]
+    peers = [
+        p for p in make_peers(args.iptables_backend, args.clients, args.baseline) if p.key in wanted
+    ]
     # The idle-connection client holds --idle descriptors itself.
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -848,6 +877,7 @@ def main() -> int:
             "rlimit_nofile": hard,
         },
         "commit": source_commit(),
+        "baseline": args.baseline,
         "settings": {
             k: getattr(args, k)
             for k in (
