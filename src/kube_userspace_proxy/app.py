@@ -223,8 +223,15 @@ class Proxy:
             if not self._applied_once:
                 self.runner.request()  # the first sync is complete, and the runner's
                 continue
-            async with self._apply_lock:
-                await self.apply_changes()
+            try:
+                async with self._apply_lock:
+                    await self.apply_changes()
+            except Exception:
+                # The changes taken are not applied: the runner's next sync takes the complete
+                # state (and retries as any failed sync), and applies wait for it.
+                log.exception("applying changes failed; a complete sync follows")
+                self._applied_once = False
+                self.runner.request()
 
     async def apply_changes(self) -> None:
         """Apply what changed since the last snapshot to listeners and pools (no rule commit)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 import aiohttp
 import pytest
@@ -86,3 +87,44 @@ async def _programming_count(port: int | None) -> float:
     ):
         text = await response.text()
     return sample_value(text, "kubeproxy_network_programming_duration_seconds_count", {}) or 0.0
+
+
+@pytest.mark.timeout(60)
+async def test_a_failed_apply_is_followed_by_a_complete_sync_and_the_proxy_stays_up(
+    apiserver: FakeApiServer, kubeconfig: str
+) -> None:
+    backends = await start_named_backends(["pod-a", "pod-b"])
+    (_, port_a, _), (_, port_b, _) = backends
+    try:
+        apiserver.create(service("web"))
+        apiserver.create(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_a))
+        async with running_proxy(kube_config(kubeconfig)) as proxy:
+            await eventually(lambda: proxy.proxier.port_of(WEB), timeout=10, what="web served")
+            syncs = proxy.syncs
+            health = proxy.service_health
+            real = health.sync
+            failures = []
+
+            async def fail_once(snapshot: Any) -> None:
+                if not failures:
+                    failures.append(snapshot)
+                    raise RuntimeError("injected: the health-check servers failed")
+                await real(snapshot)
+
+            health.sync = fail_once  # type: ignore[method-assign]
+            apiserver.update(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_b))
+            deadline = time.monotonic() + 10
+            while await ask(proxy.proxier.port_of(WEB)) != "pod-b":
+                assert time.monotonic() < deadline, "the change was lost with the failed apply"
+                await asyncio.sleep(0.01)
+            assert failures, "the apply did not run"
+            await eventually(lambda: proxy.syncs > syncs, timeout=10, what="a complete sync")
+            # The apply loop still runs: the next change is applied as before.
+            apiserver.update(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_a))
+            deadline = time.monotonic() + 10
+            while await ask(proxy.proxier.port_of(WEB)) != "pod-a":
+                assert time.monotonic() < deadline, "changes stopped after the failed apply"
+                await asyncio.sleep(0.01)
+    finally:
+        for _, _, server in backends:
+            server.close()
