@@ -523,9 +523,7 @@ def test_state_directory_is_a_host_path() -> None:
 
 
 @needs_helm
-@pytest.mark.parametrize(
-    ("backend", "raw"), [("auto", True), ("iptc", True), ("restore", False), ("none", False)]
-)
+@pytest.mark.parametrize(("backend", "raw"), [("auto", True), ("iptc", True), ("restore", False)])
 def test_net_raw_only_for_backends_that_may_use_the_legacy_tables(backend: str, raw: bool) -> None:
     objects = render({**KIND_VALUES, "iptablesBackend": backend})
     pod = objects["DaemonSet"]["spec"]["template"]["spec"]
@@ -538,6 +536,14 @@ def test_net_raw_only_for_backends_that_may_use_the_legacy_tables(backend: str, 
         "path": "/var/lib/kube-userspace-proxy",
         "type": "DirectoryOrCreate",
     }
+
+
+@needs_helm
+def test_a_node_proxy_without_rules_is_refused_by_the_schema() -> None:
+    # `--iptables-backend none` is for the demo and manifests on a laptop; a DaemonSet that
+    # installs no rules would proxy nothing, so the chart's schema refuses it at render time.
+    with pytest.raises(RuntimeError, match="iptablesBackend"):
+        render({**KIND_VALUES, "iptablesBackend": "none"})
 
 
 def test_no_memory_limit_and_a_request_from_measured_rss() -> None:
