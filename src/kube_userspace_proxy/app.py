@@ -147,6 +147,8 @@ class Proxy:
             self.proxier.open_ports,
             per_service_port=config.metrics_per_service_port,
         )
+        if self.workers is not None:
+            self.metrics.follow_workers(self.workers)
         self.service_health = ServiceHealthServers(self.health, self._node_port_addresses)
         backend_kind = config.iptables_backend
         if backend_kind == "auto" and os.geteuid() != 0:

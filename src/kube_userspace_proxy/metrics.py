@@ -321,6 +321,44 @@ class _SourceCollector(Collector):
         return families
 
 
+class WorkerCounters(typing.Protocol):
+    """What the worker pool keeps about its processes (read at scrape time)."""
+
+    @property
+    def alive(self) -> int: ...
+
+    restarts: int
+
+    @property
+    def unserved(self) -> int: ...
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, owner: ProxyMetrics) -> None:
+        self._owner = owner
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # present only with worker processes
+
+    def collect(self) -> Iterable[Metric]:
+        pool = self._owner._workers
+        if pool is None:
+            return []
+        alive = GaugeMetricFamily(PREFIX + "workers", "Worker processes serving now.")
+        alive.add_metric([], pool.alive)
+        restarts = CounterMetricFamily(
+            PREFIX + "worker_restarts", "Worker processes replaced after an unexpected exit."
+        )
+        restarts.add_metric([], pool.restarts)
+        unserved = GaugeMetricFamily(
+            PREFIX + "worker_unserved_ports",
+            "Proxy ports a worker could not open (descriptors short, say), summed over the"
+            " workers; they are sent again with a backoff until they serve.",
+        )
+        unserved.add_metric([], pool.unserved)
+        return [alive, restarts, unserved]
+
+
 class ProxyMetrics:
     """The proxy's metrics; the sync runner, proxier and ops server report through its methods.
 
@@ -444,6 +482,8 @@ class ProxyMetrics:
         )
         self._source: SourceCounters | None = None
         base.register(_SourceCollector(self))
+        self._workers: WorkerCounters | None = None
+        base.register(_WorkerCollector(self))
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(base)
         self.registry.register(_PortCollector(self))
@@ -483,6 +523,10 @@ class ProxyMetrics:
     def follow_source(self, source: SourceCounters) -> None:
         """Export the API source's own counters (read at scrape time)."""
         self._source = source
+
+    def follow_workers(self, pool: WorkerCounters) -> None:
+        """Export the worker pool's process counts (read at scrape time)."""
+        self._workers = pool
 
     def set_no_local_endpoints(self, internal: int, external: int) -> None:
         """Service ports whose Local policy found endpoints, but none on this node."""

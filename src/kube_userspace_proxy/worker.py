@@ -87,6 +87,9 @@ class Worker:
         self._retired: list[TcpListener | UdpListener] = []
         # Sockets the same slot's worker of the process this one replaces handed over.
         self._adopted: dict[Key, socket.socket] = {}
+        # Ports of the table this worker failed to open (EMFILE, say): reported with every
+        # answer, so the control process sends them again until they serve.
+        self._unserved: set[Key] = set()
         self.udp_idle_timeout = 0.25
         self.tcp_keepalive = 15.0
 
@@ -147,6 +150,7 @@ class Worker:
         """Make the listeners and pools match the whole table; report group joins and leaves."""
         changed = self._take(settings, pools, routes)
         wanted = {entry[0] for entry in listeners}
+        self._unserved &= wanted
         await self._drop([k for k in self._served if k not in wanted])
         await self._upsert(listeners, changed)
         for pool_id in [p for p in self._pools if p not in pools]:
@@ -202,6 +206,7 @@ class Worker:
 
     async def _drop(self, keys: Sequence[Key]) -> None:
         for key in keys:
+            self._unserved.discard(key)
             served = self._served.pop(key, None)
             if served is not None:
                 await self._retire(key, served.listener)
@@ -217,7 +222,9 @@ class Worker:
                     listener = await self._open(key, name, pool, v6only)
                 except OSError as exc:
                     log.error("worker %d: cannot serve %s %s:%d: %s", self.index, *key, exc)
+                    self._unserved.add(key)
                     continue
+                self._unserved.discard(key)
                 self._served[key] = _Served(listener, name, pool_id)
             elif served_now.pool_id != pool_id:
                 served_now.pool_id = pool_id
@@ -239,7 +246,7 @@ class Worker:
             sock.close()
         self._adopted.clear()
         events, self._events = self._events, []
-        channel.send(self._writer, ("applied", seq, self.index, events))
+        channel.send(self._writer, ("applied", seq, self.index, events, sorted(self._unserved)))
         # The table's objects live until the next one: keep the cyclic collector from walking
         # them again and again (at 10,000 ports a full collection stalls the loop ~0.1 s).
         gc.freeze()

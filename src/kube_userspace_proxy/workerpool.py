@@ -44,6 +44,8 @@ COLLECT_TIMEOUT = 2.0
 SUM_PART = 200
 """Ports whose counters `collect` sums between two yields to the event loop."""
 RESTART_DELAYS = (0.0, 0.25, 1.0, 2.0, 5.0)
+RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0)
+"""Waits before sending a worker again the ports it could not open (EMFILE, say)."""
 
 
 class SharedPort:
@@ -195,6 +197,11 @@ class WorkerPool:
         """Full tables sent (to a worker taking a slot)."""
         self.restarts = 0
         """Workers replaced after an unexpected exit."""
+        # Ports each worker (by index) reported it could not open, and the retry of them.
+        self._unserved: dict[int, frozenset[Key]] = {}
+        self._retries = 0
+        self._retry_handle: asyncio.TimerHandle | None = None
+        self._retry_task: asyncio.Task[None] | None = None
 
     # ---- the proxier's data plane ------------------------------------------------------------
 
@@ -245,6 +252,7 @@ class WorkerPool:
         A worker that takes a slot gets the full table instead (`_take_slot`).
         """
         async with self._lock:
+            retried = self._mark_unserved()
             if not self._dirty and not self._removed:
                 return
             dirty, self._dirty = self._dirty, {}
@@ -252,7 +260,8 @@ class WorkerPool:
             listeners, pools = self._unsent(*self._entries(dirty.values()))
             if not listeners and not removed:
                 return
-            regrouped = bool(removed)
+            # A port sent again to a worker that could not open it will join its group.
+            regrouped = bool(removed) or retried
             for key, _, pool_id, _ in listeners:
                 joins = key[0] == "UDP" or bool(pools[pool_id][1])
                 if self._joined.get(key) != joins:
@@ -279,6 +288,50 @@ class WorkerPool:
                 for worker in live:
                     changed |= await self._send(worker, "delta", delta)
             self._steer(changed)
+
+    @property
+    def unserved(self) -> int:
+        """Ports some worker could not open at its last answer, summed over the workers."""
+        return sum(len(keys) for keys in self._unserved.values())
+
+    def unserved_ports(self, index: int) -> frozenset[Key]:
+        """The ports worker `index` reported it could not open."""
+        return self._unserved.get(index, frozenset())
+
+    def _mark_unserved(self) -> bool:
+        """Put the ports a worker could not open back in the next publish; True if any."""
+        keys = {key for keys in self._unserved.values() for key in keys if key in self._ports}
+        for key in keys:
+            self._dirty[key] = self._ports[key]
+            self._sent_ports.pop(key, None)  # send it though its entry has not changed
+        return bool(keys)
+
+    def _note_unserved(self, worker: _Worker, keys: frozenset[Key]) -> None:
+        """Take a worker's list of the ports it could not open; retry them with a backoff."""
+        if keys:
+            self._unserved[worker.index] = keys
+        else:
+            self._unserved.pop(worker.index, None)
+        if not self._unserved:
+            self._retries = 0
+            return
+        if self._stopping or self._retry_handle is not None:
+            return
+        delay = RETRY_DELAYS[min(self._retries, len(RETRY_DELAYS) - 1)]
+        self._retries += 1
+        self._retry_handle = asyncio.get_running_loop().call_later(delay, self._retry)
+
+    def _retry(self) -> None:
+        self._retry_handle = None
+        if self._stopping or (self._retry_task is not None and not self._retry_task.done()):
+            return
+        self._retry_task = asyncio.create_task(self._publish_retry(), name="worker port retry")
+
+    async def _publish_retry(self) -> None:
+        try:
+            await self.publish()
+        except Exception:  # the next change or retry sends them again
+            log.exception("sending the workers the ports they could not open failed")
 
     def affinity_summary(self, pool: EndpointPool) -> tuple[int, Pins]:
         """The pin count and the pins shown, as the workers reported them at the last
@@ -436,6 +489,7 @@ class WorkerPool:
         log.error("worker %d exited unexpectedly (code %s); replacing it", index, code)
         self.restarts += 1
         self._workers[index] = None
+        self._unserved.pop(index, None)  # its replacement reports its own
         recent = time.monotonic() - worker.started < 10
         self._failures[index] = self._failures[index] + 1 if recent else 1
         if self._failures[index] > 1:  # crashing again: do not burn through processes
@@ -618,6 +672,8 @@ class WorkerPool:
                 if worker.process.returncode is None:
                     worker.process.kill()
             return set()
+        if len(reply) > 4:
+            self._note_unserved(worker, frozenset(tuple(key) for key in reply[4]))
         changed: set[Key] = set()
         for event, key in reply[3]:
             changed.add(key)
@@ -793,7 +849,11 @@ class WorkerPool:
         `release`: the sockets were handed over; the workers close their descriptors only.
         """
         self._stopping = True
-        starting = [t for t in (self._spare_task, *self._replacing) if t is not None]
+        if self._retry_handle is not None:
+            self._retry_handle.cancel()
+        starting = [
+            t for t in (self._spare_task, self._retry_task, *self._replacing) if t is not None
+        ]
         for task in starting:
             task.cancel()
         await asyncio.gather(*starting, return_exceptions=True)

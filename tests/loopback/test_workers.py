@@ -520,3 +520,55 @@ async def test_a_restarted_worker_gets_the_full_current_table(
         for i, name in enumerate(names):
             want = names_by_port[ports[0] if i == 4 else ports[i % len(ports)]]
             assert await ask_from(client, proxy.proxier.port_of(name)) == want, name
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_ports_a_worker_could_not_open_are_sent_again_until_they_serve(
+    tmp_path: Path, backends: list[tuple[str, int, asyncio.Server]]
+) -> None:
+    import resource
+
+    ports = [p for _, p, _ in backends]
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(manifest, _many(4, ports))
+    async with running_proxy(loopback_config(manifest, workers=str(WORKERS))) as proxy:
+        pool = proxy.workers
+        assert pool is not None and proxy.ops is not None
+        await wait_for(lambda: pool.alive == WORKERS and proxy.proxier.served_count == 4)
+        victim = 1
+        pid = pool.pids()[victim]
+        _, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        # Worker 1 runs short of descriptors: room for two more, not for eight new ports.
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (_open_fds(pid) + 2, hard))
+        write_manifests(manifest, _many(12, ports))
+        await wait_for(lambda: proxy.proxier.served_count == 12, 5, "12 Services")
+        await wait_for(lambda: pool.unserved >= 6, 5, "worker 1's EMFILE reported")
+        url = f"http://127.0.0.1:{proxy.ops.metrics_port}/metrics"
+        async with aiohttp.ClientSession() as http, http.get(url) as response:
+            text = await response.text()
+        assert sample_value(text, "kube_userspace_proxy_worker_unserved_ports") == pool.unserved
+        assert sample_value(text, "kube_userspace_proxy_workers") == WORKERS
+        # Meanwhile its clients reach the ports it could not open through the other worker
+        # (where it has no descriptor to accept with, they fail: that worker is short).
+        client = next(c for c in CLIENTS if worker_of(c, WORKERS) == victim)
+        names = [ServicePortName("default", f"s{i}", "http", Protocol.TCP) for i in range(12)]
+        names_by_port = {p: n for n, p, _ in backends}
+        missing = {key[2] for key in pool.unserved_ports(victim)}
+        for i, name in enumerate(names):
+            if proxy.proxier.port_of(name) in missing:
+                answer = await ask_from(client, proxy.proxier.port_of(name))
+                assert answer == names_by_port[ports[i % len(ports)]]
+        # Descriptors back: the retry (after 1 s, then 2 s, ...) opens them in worker 1 itself.
+        short = _open_fds(pid)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (hard, hard))
+        await wait_for(lambda: pool.unserved == 0, 15, "the ports sent again and served")
+        assert pool.pids()[victim] == pid, "the worker was replaced instead"
+        assert _open_fds(pid) >= short + 6
+        for i, name in enumerate(names):
+            assert (
+                await ask_from(client, proxy.proxier.port_of(name))
+                == names_by_port[ports[i % len(ports)]]
+            )
