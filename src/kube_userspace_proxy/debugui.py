@@ -6,6 +6,10 @@ view about once a second while the page is open: the `/debug/state` view (collec
 workers first) and the installed iptables rules of our chains with their packet counters.
 `/debug/ui/state` answers the same view once, as JSON. Each stream carries 8 events and
 ends; the page's EventSource reconnects within 0.1 s.
+
+The page shows at most `SHOWN` service ports (the first by name) and only the rules that name
+them: at 10,000 service ports a whole view each second would be megabytes of JSON built on
+the event loop. `/debug/state` streams everything.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -35,6 +40,9 @@ STREAM_EVENTS = 8
 (httpguard), so a stream ends itself before that and the browser reconnects at once."""
 RECONNECT_MS = 100
 """The `retry:` the stream asks of the browser's EventSource, in milliseconds."""
+SHOWN = 100
+"""Service ports the page shows at most (the first by name)."""
+_COMMENT = re.compile(r'--comment (?:"([^"]*)"|(\S+))')
 
 
 def page() -> bytes:
@@ -48,7 +56,7 @@ class DebugUi:
 
     def __init__(
         self,
-        debug_state: Callable[[], Awaitable[dict[str, Any]]],
+        debug_state: Callable[[int], Awaitable[dict[str, Any]]],
         collect: Callable[..., Awaitable[None]],
         rules: RuleSource | None,
     ) -> None:
@@ -56,32 +64,28 @@ class DebugUi:
         self._collect = collect
         self._rules = rules
         self._rules_read = 0.0
-        self._rules_cache: list[dict[str, Any]] | None = None
+        self._rules_cache: CountedRules | None = None
 
     async def view(self) -> dict[str, Any]:
-        """Services (as /debug/state) and rules (None when this proxy installs none)."""
+        """Services (as /debug/state, the first `SHOWN`), the rules that name them (None when
+        this proxy installs none), and whether service ports were left out."""
         await self._collect(debug=True)
+        services = await self._debug_state(SHOWN + 1)
+        truncated = len(services) > SHOWN
+        if truncated:
+            services.pop(next(reversed(services)))
         now = time.monotonic()
         if self._rules is not None and now - self._rules_read >= RULES_EVERY:
             self._rules_read = now
             try:
-                counted = await asyncio.to_thread(self._rules)
+                self._rules_cache = await asyncio.to_thread(self._rules)
             except Exception as exc:  # a view must not fail for the rules' sake
                 log.debug("cannot read the rules' counters: %r", exc)
-                counted = None
-            self._rules_cache = (
-                None
-                if counted is None
-                else [
-                    {"family": f, "chain": c, "rule": r, "packets": p, "bytes": b}
-                    for f, c, r, p, b in counted
-                ]
-            )
-        return {
-            "services": await self._debug_state(),
-            "rules": self._rules_cache,
-            "time": time.time(),
-        }
+                self._rules_cache = None
+        rules = None
+        if self._rules_cache is not None:
+            rules = await asyncio.to_thread(_naming, self._rules_cache, frozenset(services))
+        return {"services": services, "truncated": truncated, "rules": rules, "time": time.time()}
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/debug/ui", self._page)
@@ -119,3 +123,15 @@ class DebugUi:
         except (ConnectionResetError, ConnectionError):
             pass
         return response
+
+
+def _naming(counted: CountedRules, names: frozenset[str]) -> list[dict[str, Any]]:
+    """The rules whose comment is one of `names` (a service port), as the page reads them."""
+    shown = []
+    for family, chain, rule, packets, size in counted:
+        found = _COMMENT.search(rule)
+        if found and (found.group(1) or found.group(2)) in names:
+            shown.append(
+                {"family": family, "chain": chain, "rule": rule, "packets": packets, "bytes": size}
+            )
+    return shown

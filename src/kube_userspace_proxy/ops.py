@@ -203,8 +203,14 @@ async def _pairs(state: StateView) -> AsyncIterator[tuple[str, Any]]:
             yield pair
 
 
-async def _as_dict(state: StateView) -> dict[str, Any]:
-    return {key: value async for key, value in _pairs(state)}
+async def _as_dict(state: StateView, limit: int | None = None) -> dict[str, Any]:
+    """The first `limit` entries of `state` (all when None), in its order."""
+    view: dict[str, Any] = {}
+    async for key, value in _pairs(state):
+        if limit is not None and len(view) >= limit:
+            break
+        view[key] = value
+    return view
 
 
 # One line per entry: json's C encoder (indent= would take the pure-Python one, ~10x slower).
@@ -250,7 +256,7 @@ def _metrics_app(
     app.router.add_get("/healthz", ping)
     app.router.add_get("/configz", config)
     app.router.add_get("/debug/state", state)
-    DebugUi(lambda: _as_dict(debug_state()), collect, rules).add_routes(app)
+    DebugUi(lambda limit: _as_dict(debug_state(), limit), collect, rules).add_routes(app)
     return app
 
 

@@ -126,3 +126,57 @@ async def test_page_is_self_contained_and_streams_events(
         assert len(events) == 8
         assert body.startswith(b"retry: ")
         assert all(WEB in event["services"] for event in events)
+
+
+async def test_the_page_shows_the_first_service_ports_and_only_their_rules(
+    tmp_path: Path, backends: Callable[..., Awaitable[Backends]]
+) -> None:
+    from kube_userspace_proxy import debugui
+
+    [(_, port, _)] = await backends("pod-a")
+    count = debugui.SHOWN + 20
+    objects: list[Any] = []
+    for i in range(count):
+        objects.append(service(f"s{i:03d}", [{"name": "http", "port": 80, "protocol": "TCP"}]))
+        objects.extend(endpoint_slice(f"s{i:03d}", "http", [("127.0.0.1", port)]))
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(manifest, objects)
+    async with running_proxy(loopback_config(manifest)) as proxy:
+        assert proxy.ops is not None and proxy.ops.metrics_port is not None
+        base = f"http://127.0.0.1:{proxy.ops.metrics_port}"
+        view = json.loads((await get(f"{base}/debug/ui/state"))[2])
+        names = [f"default/s{i:03d}:http" for i in range(count)]
+        assert list(view["services"]) == names[: debugui.SHOWN]
+        assert view["truncated"] is True
+        full = json.loads((await get(f"{base}/debug/state"))[2])
+        assert sorted(full) == names  # /debug/state has them all
+
+
+def test_only_rules_naming_a_shown_service_port_reach_the_page() -> None:
+    from kube_userspace_proxy.debugui import _naming
+
+    counted = [
+        (
+            4,
+            "KUBE-PORTALS-CONTAINER-3F",
+            '-d 10.96.0.1/32 -p tcp -m comment --comment "a/b:http"'
+            " -m tcp --dport 80 -j REDIRECT --to-ports 30001",
+            5,
+            300,
+        ),
+        (
+            4,
+            "KUBE-PORTALS-CONTAINER-40",
+            "-d 10.96.0.2/32 -p tcp -m comment --comment a/c:http"
+            " -m tcp --dport 80 -j REDIRECT --to-ports 30002",
+            1,
+            60,
+        ),
+        (4, "KUBE-PORTALS-CONTAINER", "-j KUBE-PORTALS-CONTAINER-3F", 9, 900),
+        (4, "KUBE-PORTALS-CONTAINER-41", '-m comment --comment "a/b:http2" -j ACCEPT', 0, 0),
+    ]
+    shown = _naming(counted, frozenset({"a/b:http", "a/c:http"}))
+    assert [(r["chain"], r["packets"]) for r in shown] == [
+        ("KUBE-PORTALS-CONTAINER-3F", 5),
+        ("KUBE-PORTALS-CONTAINER-40", 1),
+    ]
