@@ -294,12 +294,7 @@ class TcpListener:
         sock = self._sock
         if not self._listening or sock is None:
             return
-        self._listening = False
-        if self._resume is not None:
-            self._resume.cancel()
-            self._resume = None
-        else:
-            self.loop.remove_reader(sock.fileno())
+        self._stop_accepting(sock)
         # Unlistening resets the connections still in the backlog, as closing would.
         _unlisten(sock)
         log.debug("%s: refusing on %s", self.name, self._address)
@@ -325,14 +320,18 @@ class TcpListener:
         if sock is None:
             return
         if self._listening:
-            self._listening = False
-            if self._resume is not None:
-                self._resume.cancel()
-                self._resume = None
-            else:
-                self.loop.remove_reader(sock.fileno())
+            self._stop_accepting(sock)
         sock.close()
         self._sock = None
+
+    def _stop_accepting(self, sock: socket.socket) -> None:
+        """No more accept() calls here: the reader (or the resume after EMFILE) is dropped."""
+        self._listening = False
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
+        else:
+            self.loop.remove_reader(sock.fileno())
 
     def fileno(self) -> int:
         """The descriptor of the port's socket (to hand it over); -1 once closed."""
