@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 import pytest
 
+from kube_userspace_proxy import app
 from kube_userspace_proxy.metrics import sample_value
 from kube_userspace_proxy.model import ServicePortName
 from tests.control.conftest import endpoint_slice, eventually, service
@@ -27,53 +29,62 @@ MIN_SYNC_PERIOD = 60.0
 WEB = ServicePortName("default", "web", "http")
 
 
-@pytest.mark.timeout(60)
-async def test_an_endpoint_only_change_reaches_the_pool_without_the_runner_or_a_commit(
-    apiserver: FakeApiServer, kubeconfig: str
-) -> None:
+@pytest.fixture
+async def web(apiserver: FakeApiServer) -> AsyncIterator[tuple[int, int]]:
+    """Service web with its slice on pod-a; the ports of pod-a and pod-b."""
     backends = await start_named_backends(["pod-a", "pod-b"])
     (_, port_a, _), (_, port_b, _) = backends
-    try:
-        apiserver.create(service("web"))
-        apiserver.create(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_a))
-        config = kube_config(kubeconfig, min_sync_period=MIN_SYNC_PERIOD, sync_period=300.0)
-        async with running_proxy(config) as proxy:
-            await eventually(lambda: proxy.proxier.port_of(WEB), timeout=10, what="web served")
-            assert await ask(proxy.proxier.port_of(WEB)) == "pod-a"
-            rules = RecordingRules()
-            proxy.proxier.set_rule_sink(rules)
-            # A new Service needs rules: it spends the runner's second burst token.
-            apiserver.create(service("other", cluster_ip="10.96.0.11"))
-            await eventually(lambda: rules.applied, timeout=10, what="the rule commit")
-            runs, commits = proxy.runner.runs, len(rules.applied)
-            ops = proxy.ops
-            assert ops is not None
-            before = await _programming_count(ops.metrics_port)
+    apiserver.create(service("web"))
+    apiserver.create(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_a))
+    yield port_a, port_b
+    for _, _, server in backends:
+        server.close()
 
-            # The runner has no token left for a minute; the endpoint moves all the same.
-            moved = endpoint_slice(
-                "web-a", "web", ["127.0.0.1"], port=port_b, trigger_time=_now_rfc3339()
-            )
-            apiserver.update(moved)
 
-            deadline = time.monotonic() + 10
-            while await ask(proxy.proxier.port_of(WEB)) != "pod-b":
-                assert time.monotonic() < deadline, "the moved endpoint was never served"
-                await asyncio.sleep(0.01)
-            assert proxy.runner.runs == runs, "the change waited for the sync runner"
-            assert len(rules.applied) == commits, "an endpoint-only change committed rules"
-            # Its network-programming latency is observed when it is served, not at a commit.
-            assert await _programming_count(ops.metrics_port) > before
+async def _until_web_answers(proxy: app.Proxy, name: str, failure: str) -> None:
+    deadline = time.monotonic() + 10
+    while await ask(proxy.proxier.port_of(WEB)) != name:
+        assert time.monotonic() < deadline, failure
+        await asyncio.sleep(0.01)
 
-            # A change that does need rules is served at once but its commit waits its turn.
-            third = ServicePortName("default", "third", "http")
-            apiserver.create(service("third", cluster_ip="10.96.0.12"))
-            await eventually(lambda: proxy.proxier.port_of(third), timeout=10, what="listener")
-            assert proxy.proxier.rules_pending
-            assert len(rules.applied) == commits
-    finally:
-        for _, _, server in backends:
-            server.close()
+
+@pytest.mark.timeout(60)
+async def test_an_endpoint_only_change_reaches_the_pool_without_the_runner_or_a_commit(
+    apiserver: FakeApiServer, kubeconfig: str, web: tuple[int, int]
+) -> None:
+    _, port_b = web
+    config = kube_config(kubeconfig, min_sync_period=MIN_SYNC_PERIOD, sync_period=300.0)
+    async with running_proxy(config) as proxy:
+        await eventually(lambda: proxy.proxier.port_of(WEB), timeout=10, what="web served")
+        assert await ask(proxy.proxier.port_of(WEB)) == "pod-a"
+        rules = RecordingRules()
+        proxy.proxier.set_rule_sink(rules)
+        # A new Service needs rules: it spends the runner's second burst token.
+        apiserver.create(service("other", cluster_ip="10.96.0.11"))
+        await eventually(lambda: rules.applied, timeout=10, what="the rule commit")
+        runs, commits = proxy.runner.runs, len(rules.applied)
+        ops = proxy.ops
+        assert ops is not None
+        before = await _programming_count(ops.metrics_port)
+
+        # The runner has no token left for a minute; the endpoint moves all the same.
+        moved = endpoint_slice(
+            "web-a", "web", ["127.0.0.1"], port=port_b, trigger_time=_now_rfc3339()
+        )
+        apiserver.update(moved)
+
+        await _until_web_answers(proxy, "pod-b", "the moved endpoint was never served")
+        assert proxy.runner.runs == runs, "the change waited for the sync runner"
+        assert len(rules.applied) == commits, "an endpoint-only change committed rules"
+        # Its network-programming latency is observed when it is served, not at a commit.
+        assert await _programming_count(ops.metrics_port) > before
+
+        # A change that does need rules is served at once but its commit waits its turn.
+        third = ServicePortName("default", "third", "http")
+        apiserver.create(service("third", cluster_ip="10.96.0.12"))
+        await eventually(lambda: proxy.proxier.port_of(third), timeout=10, what="listener")
+        assert proxy.proxier.rules_pending
+        assert len(rules.applied) == commits
 
 
 def _now_rfc3339() -> str:
@@ -91,40 +102,27 @@ async def _programming_count(port: int | None) -> float:
 
 @pytest.mark.timeout(60)
 async def test_a_failed_apply_is_followed_by_a_complete_sync_and_the_proxy_stays_up(
-    apiserver: FakeApiServer, kubeconfig: str
+    apiserver: FakeApiServer, kubeconfig: str, web: tuple[int, int]
 ) -> None:
-    backends = await start_named_backends(["pod-a", "pod-b"])
-    (_, port_a, _), (_, port_b, _) = backends
-    try:
-        apiserver.create(service("web"))
-        apiserver.create(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_a))
-        async with running_proxy(kube_config(kubeconfig)) as proxy:
-            await eventually(lambda: proxy.proxier.port_of(WEB), timeout=10, what="web served")
-            syncs = proxy.syncs
-            health = proxy.service_health
-            real = health.sync
-            failures = []
+    port_a, port_b = web
+    async with running_proxy(kube_config(kubeconfig)) as proxy:
+        await eventually(lambda: proxy.proxier.port_of(WEB), timeout=10, what="web served")
+        syncs = proxy.syncs
+        health = proxy.service_health
+        real = health.sync
+        failures = []
 
-            async def fail_once(snapshot: Any) -> None:
-                if not failures:
-                    failures.append(snapshot)
-                    raise RuntimeError("injected: the health-check servers failed")
-                await real(snapshot)
+        async def fail_once(snapshot: Any) -> None:
+            if not failures:
+                failures.append(snapshot)
+                raise RuntimeError("injected: the health-check servers failed")
+            await real(snapshot)
 
-            health.sync = fail_once  # type: ignore[method-assign]
-            apiserver.update(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_b))
-            deadline = time.monotonic() + 10
-            while await ask(proxy.proxier.port_of(WEB)) != "pod-b":
-                assert time.monotonic() < deadline, "the change was lost with the failed apply"
-                await asyncio.sleep(0.01)
-            assert failures, "the apply did not run"
-            await eventually(lambda: proxy.syncs > syncs, timeout=10, what="a complete sync")
-            # The apply loop still runs: the next change is applied as before.
-            apiserver.update(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_a))
-            deadline = time.monotonic() + 10
-            while await ask(proxy.proxier.port_of(WEB)) != "pod-a":
-                assert time.monotonic() < deadline, "changes stopped after the failed apply"
-                await asyncio.sleep(0.01)
-    finally:
-        for _, _, server in backends:
-            server.close()
+        health.sync = fail_once  # type: ignore[method-assign]
+        apiserver.update(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_b))
+        await _until_web_answers(proxy, "pod-b", "the change was lost with the failed apply")
+        assert failures, "the apply did not run"
+        await eventually(lambda: proxy.syncs > syncs, timeout=10, what="a complete sync")
+        # The apply loop still runs: the next change is applied as before.
+        apiserver.update(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_a))
+        await _until_web_answers(proxy, "pod-a", "changes stopped after the failed apply")
