@@ -53,6 +53,6 @@ def test_default_bind_address_installs_no_ipv6_rules_and_says_why(
     warning = "use --bind-address :: for dual stack"
     wait_for(lambda: warning in proxy.log.read_text(), "the warning")
     proxy.iptables("-t", "nat", "-F", "KUBE-PORTALS-CONTAINER")  # wait for another sync
-    proxy.wait_rules("-A KUBE-PORTALS-CONTAINER -m comment", timeout=10)
+    proxy.wait_rules("-A KUBE-PORTALS-CONTAINER -d 0.0.0.10/0.0.0.255", timeout=10)
     assert proxy.log.read_text().count(warning) == 2  # once per service port, not per sync
     assert "KUBE-" not in proxy.save("nat", family=6) + proxy.save("filter", family=6)

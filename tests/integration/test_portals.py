@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -314,12 +315,10 @@ IPTABLES = {
 
 
 def shard_of_port(i: int, chain: str) -> str:
-    """The shard of `chain` that DRIVER's port `i` has its rules in."""
-    from kube_userspace_proxy.model import Protocol, ServicePortName
-    from kube_userspace_proxy.portals.rules import shard_chain, shard_of
+    """The shard of portal chain `chain` that DRIVER's port `i` has its ClusterIP rules in."""
+    from kube_userspace_proxy.portals.rules import shard_chain, shard_for
 
-    name = ServicePortName(f"ns{i % 3}", f"svc{i}", "p", Protocol.UDP if i % 4 == 3 else "TCP")
-    return shard_chain(chain, shard_of(name))
+    return shard_chain(chain, shard_for(chain, f"10.96.{i // 200}.{i % 200 + 1}/32", 0))
 
 
 def fresh_install(name: str, backend: str, n: int) -> dict[str, list[str]]:
@@ -333,18 +332,54 @@ def fresh_install(name: str, backend: str, n: int) -> dict[str, list[str]]:
         sh("ip", "netns", "del", fresh.name, check=False)
 
 
+CONNECT = """
+import socket
+for host, port in (("10.96.0.5", 81), ("10.244.0.77", 30004)):
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect((host, port))  # no proxy port listens: refused once the SYN was counted
+    except OSError:
+        pass
+    s.close()
+"""
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_a_new_connection_passes_only_the_jump_into_its_own_shard(
+    node: Netns, backend: str
+) -> None:
+    # The node's own addresses (the DNAT goes to 10.244.0.1) and a route for the ClusterIPs.
+    setup = "ip link set lo up && ip addr add 10.244.0.1/32 dev lo"
+    setup += " && ip addr add 10.244.0.77/32 dev lo && ip route add 10.96.0.0/16 dev lo"
+    drive(node, backend, ["run", ["sh", "-c", setup]], ["apply", 30],
+          ["run", [sys.executable, "-c", CONNECT]])  # fmt: skip
+    save = SAVES[backend][0]
+    taken: dict[str, int] = {}
+    for line in node.run(save, "-c", "-t", "nat").splitlines():
+        m = re.fullmatch(r"\[(\d+):\d+\] -A (KUBE-[A-Z-]+) .* -j (KUBE-[A-Z-]+-[0-9A-F]{2})", line)
+        if m and int(m[1]):
+            taken[m[3]] = taken.get(m[3], 0) + int(m[1])
+    # Port 4 (TCP, ClusterIP 10.96.0.5 port 81, NodePort 30004): the SYN to its ClusterIP
+    # passed the jump to shard 05 alone; the one to its NodePort on 10.244.0.77 passed no
+    # ClusterIP shard's jump (4D is empty) and then only the jump to NodePort shard 75
+    # (ports 29952-30207), once, for TCP.
+    assert taken == {"KUBE-PORTALS-HOST-05": 1, "KUBE-NODEPORT-HOST-75": 1}
+
+
 @pytest.mark.parametrize("backend", ["iptc", "restore"])
 def test_one_change_restore_input_holds_only_the_changed_rules(node: Netns, backend: str) -> None:
-    result = drive(node, backend, ["apply", 300], ["apply", 300, 500])
+    result = drive(node, backend, ["apply", 300], ["apply", 300, 100])
     inputs = result["inputs"][result["steps"][0]["commits"] :]
-    # Port 299 (UDP, IPv4 only) moved from proxy port 40299 to 40799: its ClusterIP rules in
-    # one nat shard, its guard rule in the filter shard of each family; nothing else.
+    # Port 299 (UDP, IPv4 only) moved from proxy port 40299 to 40399: its ClusterIP rules in
+    # one nat shard (its ClusterIP's), its guard rule in the filter shard of each family (both
+    # ports are in shard 9D, 40192-40447); nothing else.
     assert sorted(text.splitlines()[0] for text in inputs) == ["*filter", "*filter", "*nat"]
     body = [line for text in inputs for line in text.splitlines()[1:-1]]
     assert all('--comment "ns2/svc299:p"' in line for line in body), body
     assert sorted(line.split()[0] + " " + line.split()[-1] for line in body) == sorted(
         [
-            *("-D 40299", "-D 10.244.0.1:40299", "-A 40799", "-A 10.244.0.1:40799"),
+            *("-D 40299", "-D 10.244.0.1:40299", "-A 40399", "-A 10.244.0.1:40399"),
             *("-D icmp-port-unreachable", "-A icmp-port-unreachable"),
             *("-D icmp6-port-unreachable", "-A icmp6-port-unreachable"),
         ]
@@ -362,7 +397,9 @@ def test_a_deleted_jump_and_a_deleted_shard_are_recreated_by_the_next_apply(
 ) -> None:
     iptables = IPTABLES[backend][0]
     shard = shard_of_port(0, "KUBE-PORTALS-CONTAINER")
-    entry = f"-m comment --comment 'service ports of shard {shard[-2:]}' -j {shard}"
+    last = int(shard[-2:], 16)
+    entry = f"-d 0.0.0.{last}/0.0.0.255 -m comment --comment 'shard {shard[-2:]}: destinations"
+    entry += f" ending in {shard[-2:]}' -j {shard}"
     wipe = (
         f"{iptables} -t nat -D PREROUTING 1"  # the jump into KUBE-PORTALS-CONTAINER
         f" && {iptables} -t nat -D KUBE-PORTALS-CONTAINER {entry}"

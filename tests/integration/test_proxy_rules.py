@@ -135,14 +135,15 @@ def test_flushed_chain_is_restored_by_the_next_resync(running: Proxy) -> None:
     shard = _web_shard(running)
     running.iptables("-t", "nat", "-F", "KUBE-PORTALS-CONTAINER")
     assert not [line for line in running.rules() if line.startswith("-A KUBE-PORTALS-CONTAINER ")]
-    running.wait_rules("-A KUBE-PORTALS-CONTAINER -m comment --comment", f"-j {shard}", timeout=10)
+    running.wait_rules("-A KUBE-PORTALS-CONTAINER -d 0.0.0.10/0.0.0.255", f"-j {shard}", timeout=10)
     assert running.topo.client.ask("tcp", "10.96.0.10", 80)[0] in PODS
 
 
 def test_deleted_jump_and_shard_are_recreated_within_one_sync_period(running: Proxy) -> None:
     # --iptables-sync-period is 1s here; the full verify (1h by default) never runs.
     shard = _web_shard(running)
-    jump = ["-m", "comment", "--comment", f"service ports of shard {shard[-2:]}", "-j", shard]
+    comment = f"shard {shard[-2:]}: destinations ending in {shard[-2:]}"
+    jump = ["-d", "0.0.0.10/0.0.0.255", "-m", "comment", "--comment", comment, "-j", shard]
     running.iptables("-t", "nat", "-D", "PREROUTING", "1")  # the jump into the portals
     running.iptables("-t", "nat", "-D", "KUBE-PORTALS-CONTAINER", *jump)
     running.iptables("-t", "nat", "-F", shard)

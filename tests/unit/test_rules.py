@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 from collections.abc import Hashable, Sequence
 from contextlib import AbstractContextManager
@@ -597,7 +598,9 @@ def test_external_port_is_known_by_its_rule_kind_not_its_position() -> None:
 
 
 def test_a_load_balancer_without_node_port_takes_the_first_port_as_the_cluster_port() -> None:
-    split = port(lb_ips=("198.51.100.7",), external_port=40002)
+    # Nothing in the rules tells a LoadBalancer IP's from a ClusterIP's: the first in kernel
+    # order (the lower shard, here the ClusterIP's .10 before the LoadBalancer's .70) wins.
+    split = port(lb_ips=("198.51.100.70",), external_port=40002)
     assert claimed(saved(render([split], NODE))) == {
         ("default/web:http", "TCP", "cluster"): 40001,
         ("default/web:http", "TCP", "external"): 40002,
@@ -836,3 +839,93 @@ def test_a_shard_that_empties_is_dropped_with_its_jump() -> None:
     assert {op.chain for op in step.ops if isinstance(op, plan.DropChain)} == shards
     assert not shards & set(table.chains)
     assert holds(table, nat([ports[0], ports[2]]))
+
+
+def shard_jumps_of(rules: Sequence[Rule]) -> dict[str, list[Rule]]:
+    """The entry chains' jumps to their shards, by the shard they lead to."""
+    out: dict[str, list[Rule]] = {}
+    for r in rules:
+        if r.to_chain and not r.is_jump:
+            out.setdefault(r.target, []).append(r)
+    return out
+
+
+def passes(jump: Rule, rule: Rule) -> bool:
+    """True when a packet that `rule` matches also matches the jump's own match."""
+    if jump.dst:
+        addr, mask = jump.dst.split("/")
+        dst = rule.dst.split("/")[0]
+        want = ipaddress.ip_address(addr).packed
+        bits = zip(ipaddress.ip_address(dst).packed, ipaddress.ip_address(mask).packed, strict=True)
+        return bytes(a & m for a, m in bits) == want
+    return jump.protocol == rule.protocol and jump.dport <= rule.dport <= jump.dport_hi
+
+
+def test_each_rule_sits_in_the_one_shard_whose_jump_its_packets_pass() -> None:
+    ports = [
+        port(name=ServicePortName("ns", f"s{i}", "p", Protocol.UDP if i % 3 == 0 else Protocol.TCP),
+             cluster_ips=(f"10.96.{i}.{i * 37 % 256}",), node_port=30000 + 97 * i if i % 2 else 0,
+             cluster_port=32768 + 211 * i, external_ips=(f"192.0.2.{i}",) if i % 4 == 0 else ())
+        for i in range(40)
+    ]  # fmt: skip
+    rules = render(ports, NODE)
+    jumps = shard_jumps_of(rules)
+    served = [r for r in rules if not r.to_chain]
+    assert served
+    for rule in served:
+        # The jump into the rule's shard lets its packets through, and no other jump does.
+        into = [j for j in jumps[rule.chain] if passes(j, rule)]
+        others = [j for c, js in jumps.items() if c != rule.chain for j in js]
+        assert into, rule.line
+        assert not [j for j in others if j.chain == into[0].chain and passes(j, rule)], rule.line
+
+
+def test_cluster_ip_shards_are_the_last_byte_of_the_address() -> None:
+    dual = port(cluster_ips=("10.96.3.201", "fd00::1:2ab"))
+    rules = render([dual], replace(NODE, bind_address="::"), families={4, 6})
+    shards = {
+        (r.family, r.chain)
+        for r in rules
+        if base_chain(r.chain) == CONTAINER_PORTALS and r.chain != CONTAINER_PORTALS
+    }
+    assert shards == {(4, f"{CONTAINER_PORTALS}-C9"), (6, f"{CONTAINER_PORTALS}-AB")}
+    lines_ = {r.line for r in rules if r.chain == CONTAINER_PORTALS}
+    c = CONTAINER_PORTALS
+    assert lines_ == {
+        f'-A {c} -d 0.0.0.201/0.0.0.255 -m comment --comment "shard C9: destinations ending in'
+        f' C9" -j {c}-C9',
+        f'-A {c} -d ::ab/::ff -m comment --comment "shard AB: destinations ending in AB" -j {c}-AB',
+    }
+
+
+def test_port_shards_jump_once_per_protocol_in_them() -> None:
+    desired = Desired(NODE)
+    web = port(name=ServicePortName("ns", "web", "p"), node_port=30001)
+    dns = port(name=ServicePortName("ns", "dns", "p", Protocol.UDP), node_port=30002,
+               cluster_ips=("10.96.0.11",), cluster_port=40007)  # fmt: skip
+    desired.update([web, dns])
+    entry = desired.tables([4])[(4, "nat")].chains[CONTAINER_NODEPORTS]
+    assert [r.spec for r in entry] == [
+        f'-p {p} -m comment --comment "shard 75: ports 29952-30207" -m {p} --dport 29952:30207'
+        f" -j {CONTAINER_NODEPORTS}-75"
+        for p in ("tcp", "udp")
+    ]
+    desired.update([web])
+    entry = desired.tables([4])[(4, "nat")].chains[CONTAINER_NODEPORTS]
+    assert [r.protocol for r in entry] == ["tcp"]
+
+
+def test_a_service_ports_rules_span_the_shards_of_their_destinations() -> None:
+    desired = Desired(NODE)
+    others = services(range(20))
+    web = port(cluster_ips=("10.96.7.10",), external_ips=("192.0.2.99",), node_port=31000)
+    desired.update([*others, web])
+    before = dict(desired.tables([4])[(4, "nat")].chains)
+    moved = ProxiedPort(web.info, 45000, 45000)
+    assert desired.update([*others, moved]) == 1
+    after = desired.tables([4])[(4, "nat")].chains
+    changed = {c for c in after if after[c] is not before.get(c)}
+    assert changed == {
+        f"{CONTAINER_PORTALS}-0A", f"{HOST_PORTALS}-0A", f"{CONTAINER_PORTALS}-63",
+        f"{HOST_PORTALS}-63", f"{CONTAINER_NODEPORTS}-79", f"{HOST_NODEPORTS}-79",
+    }  # fmt: skip

@@ -3,7 +3,9 @@
 Every sync hands over all service ports, but `Desired.update` renders only those whose
 `ProxiedPort` changed (the proxier keeps an unchanged Service's `info` object, so most are
 passed over by identity; equal copies by comparison), and rebuilds only the shard chains
-those ports live in, plus an entry chain's jumps when one of its shards appears or empties.
+those ports' rules live in (one port's rules may span several shards: each rule goes to the
+shard of its destination address or port), plus an entry chain's jumps when one of its shards
+appears or empties (or, for a port shard, gains or loses a protocol).
 One changed Service among 10,000 costs a few shards' work; the chains of every other shard
 stay the very same tuples, which the planner then compares by identity.
 
@@ -19,6 +21,7 @@ from kube_userspace_proxy.netutil import Family, ip_family
 from kube_userspace_proxy.portals.plan import TableRules
 from kube_userspace_proxy.portals.rules import (
     CHAINS,
+    DST_SHARDED,
     FILTER,
     TABLES,
     Rule,
@@ -27,7 +30,7 @@ from kube_userspace_proxy.portals.rules import (
     jumps,
     render_port,
     served_families,
-    shard_jump,
+    shard_jumps,
 )
 
 _ChainKey = tuple[Family, str, str]
@@ -52,8 +55,9 @@ class Desired:
         self._rules: dict[ServicePortName, tuple[Rule, ...]] = {}
         self._members: dict[_ChainKey, dict[ServicePortName, tuple[Rule, ...]]] = {}
         self._shards: dict[tuple[Family, str], dict[str, tuple[Rule, ...]]] = {}
-        self._entries: dict[_ChainKey, dict[int, Rule]] = {}
-        """Per entry chain, the jump to each of its shards in use."""
+        self._entries: dict[_ChainKey, dict[int, tuple[tuple[str, ...], tuple[Rule, ...]]]] = {}
+        """Per entry chain, the jumps to each of its shards in use (and the protocols of a port
+        shard's jumps)."""
         self._entry_rules: dict[_ChainKey, tuple[Rule, ...]] = {}
         self._builtin: dict[Family, list[Rule]] = {}
 
@@ -125,16 +129,20 @@ class Desired:
         index = int(chain[-2:], 16)
         if members:
             names = sorted(members, key=_order)
-            shards[chain] = tuple(rule for name in names for rule in members[name])
-            if index in entry:
+            rules = shards[chain] = tuple(rule for name in names for rule in members[name])
+            protocols = () if base in DST_SHARDED else tuple(sorted({r.protocol for r in rules}))
+            have = entry.get(index)
+            if have is not None and have[0] == protocols:
                 return
-            entry[index] = shard_jump(family, table, base, index)
+            entry[index] = (protocols, shard_jumps(family, table, base, index, protocols))
         else:
             self._members.pop(key, None)
             shards.pop(chain, None)
             if entry.pop(index, None) is None:
                 return
-        self._entry_rules[(family, table, base)] = tuple(entry[i] for i in sorted(entry))
+        self._entry_rules[(family, table, base)] = tuple(
+            rule for i in sorted(entry) for rule in entry[i][1]
+        )
 
     def families(self, wanted: Iterable[Family]) -> list[Family]:
         """The families to hold rules: those served among `wanted`, and any a rule needs."""

@@ -102,6 +102,8 @@ _SAMPLES: dict[Family, tuple[str, str, str]] = {
     ),
 }
 _PORTS = (0x0102, 0x0304, 0x0506)
+_HIGH_PORTS = (0x1112, 0x1314, 0x1516)
+"""Samples for the top of a port range (the shard jumps' `--dport lo:hi`)."""
 _COMMENTS = ("a" * _COMMENT_LEN, "b" * _COMMENT_LEN, "c" * 7)
 
 
@@ -110,13 +112,18 @@ def _shape(rule: Rule, i: int) -> Rule:
     ip = _SAMPLES[rule.family][i]
     dst = ""
     if rule.dst:
-        net = ipaddress.ip_network(rule.dst)
-        dst = str(ipaddress.ip_network(f"{ip}/{net.prefixlen}", strict=False))
+        mask = rule.dst.partition("/")[2]
+        if mask.isdigit():
+            dst = str(ipaddress.ip_network(f"{ip}/{mask}", strict=False))
+        else:  # a netmask (the shard jumps' non-contiguous ones): the sample's bits under it
+            bits = zip(_packed(ip), _packed(mask), strict=True)
+            dst = f"{ipaddress.ip_address(bytes(a & m for a, m in bits))}/{mask}"
     return replace(
         rule,
         dst=dst,
         comment=_COMMENTS[i],
         dport=_PORTS[i] if rule.dport else 0,
+        dport_hi=_HIGH_PORTS[i] if rule.dport_hi else 0,
         to_port=_PORTS[i] if rule.to_port else 0,
         to_addr=ip if rule.to_addr else "",
         why="",
@@ -145,6 +152,7 @@ class _Template:
     buf: bytes
     dst: int | None
     ports: tuple[tuple[int, _Order], ...]  # (offset, byte order) of each copy of the dport
+    high_ports: tuple[tuple[int, _Order], ...]  # the same for the top of a dport range
     to_ports: tuple[tuple[int, _Order], ...]
     to_addrs: tuple[int, ...]
     comment: int
@@ -152,10 +160,12 @@ class _Template:
     def stamp(self, rule: Rule) -> bytearray:
         buf = bytearray(self.buf)
         if self.dst is not None:
-            addr = ipaddress.ip_network(rule.dst).network_address.packed
+            addr = _packed(rule.dst.partition("/")[0])
             buf[self.dst : self.dst + len(addr)] = addr
         for off, order in self.ports:
             buf[off : off + 2] = rule.dport.to_bytes(2, order)
+        for off, order in self.high_ports:
+            buf[off : off + 2] = rule.dport_hi.to_bytes(2, order)
         for off, order in self.to_ports:
             buf[off : off + 2] = rule.to_port.to_bytes(2, order)
         if self.to_addrs:
@@ -167,14 +177,16 @@ class _Template:
         return buf
 
 
-def _port_fields(base: bytes, other: bytes) -> tuple[tuple[int, _Order], ...] | None:
+def _port_fields(
+    base: bytes, other: bytes, sample: int = _PORTS[0]
+) -> tuple[tuple[int, _Order], ...] | None:
     fields: list[tuple[int, _Order]] = []
     for start, end in _spans(base, other):
         for off in range(start, end, 2):
             chunk = base[off : off + 2]
-            if chunk == _PORTS[0].to_bytes(2, "big"):
+            if chunk == sample.to_bytes(2, "big"):
                 fields.append((off, "big"))
-            elif chunk == _PORTS[0].to_bytes(2, "little"):
+            elif chunk == sample.to_bytes(2, "little"):
                 fields.append((off, "little"))
             else:
                 return None
@@ -200,7 +212,9 @@ class Encoder:
         if rule.protocol:
             r.protocol = rule.protocol
         r.create_match("comment").comment = rule.comment
-        if rule.dport:
+        if rule.dport_hi:
+            r.create_match(rule.protocol).dport = f"{rule.dport}:{rule.dport_hi}"
+        elif rule.dport:
             r.create_match(rule.protocol).dport = str(rule.dport)
         if rule.physdev_not_in:
             r.create_match("physdev").physdev_is_in = "!"
@@ -233,6 +247,7 @@ class Encoder:
             rule.protocol,
             rule.dst.partition("/")[2] if rule.dst else "",
             bool(rule.dport),
+            bool(rule.dport_hi),
             rule.physdev_not_in,
             rule.dst_local,
             rule.state_new,
@@ -260,6 +275,9 @@ class Encoder:
             return bytes(self.build(replace(shape, **changes)))
 
         ports = _port_fields(base, diff(dport=second.dport)) if shape.dport else ()
+        high_ports: tuple[tuple[int, _Order], ...] | None = ()
+        if shape.dport_hi:
+            high_ports = _port_fields(base, diff(dport_hi=second.dport_hi), _HIGH_PORTS[0])
         to_ports = _port_fields(base, diff(to_port=second.to_port)) if shape.to_port else ()
         to_addrs: tuple[int, ...] = ()
         if shape.to_addr:
@@ -267,13 +285,14 @@ class Encoder:
             runs = _spans(base, diff(to_addr=second.to_addr))
             to_addrs = tuple(off for start, end in runs for off in range(start, end, size))
         comment = _spans(base, diff(comment=second.comment))
-        if ports is None or to_ports is None or len(comment) != 1:
+        if ports is None or high_ports is None or to_ports is None or len(comment) != 1:
             log.warning("cannot template rules shaped like %s; building each", shape.line)
             return None
         template = _Template(
             base,
             _DST[shape.family] if shape.dst else None,
             ports,
+            high_ports,
             to_ports,
             to_addrs,
             comment[0][0],

@@ -47,7 +47,6 @@ import functools
 import ipaddress
 import re
 import socket
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,19 +84,37 @@ SHARDED = (
     PROXY_PORTS,
 )
 SHARDS = 256
-"""Each service port's rules go to shard `crc32(name) % SHARDS` of each entry chain, e.g.
-KUBE-PORTALS-CONTAINER-3F: one change rewrites a chain of ~N/256 rules, never the whole
-table's (`iptables-nft-restore` loads a chain whole to delete a rule from it)."""
+"""Each entry chain jumps to up to 256 shards, e.g. KUBE-PORTALS-HOST-0A, and each jump matches
+only the packets of its shard: a new connection walks the jumps and one shard (~N/256 rules),
+never all N rules, and a change edits a chain of ~N/256 rules (`iptables-nft-restore` loads a
+chain whole to delete a rule from it)."""
+DST_SHARDED = frozenset({CONTAINER_PORTALS, HOST_PORTALS})
+"""Entry chains whose rules each name one destination address (a ClusterIP, LoadBalancer or
+external IP): shard N holds the rules for addresses whose last byte is N, and the jump to it
+is `-d 0.0.0.N/0.0.0.255` (IPv6: `-d ::N/::ff`), a non-contiguous mask."""
+PORTS_PER_SHARD = 256
+"""The other entry chains' rules each match one destination port (a NodePort, a proxy port):
+shard N holds ports 256N to 256N+255 and the jump to it is `-p P --dport LO:HI`, one per
+protocol that the shard's rules use."""
 _TABLE_OF = {chain: table for table in TABLES for chain in CHAINS[table] if chain != CANARY}
 _SHARD = re.compile(r"(.+)-([0-9A-F]{2})")
 _TARGETS = frozenset({"REDIRECT", "DNAT", "REJECT", "ACCEPT"})
 """The iptables targets our rules use (any other target is a jump to one of our chains)."""
 
 
-def shard_of(name: ServicePortName) -> int:
-    """The shard of a service port: stable across runs and Python processes."""
-    key = f"{name.namespace}/{name.name}:{name.port}/{name.protocol}"
-    return zlib.crc32(key.encode()) % SHARDS
+def shard_for(base: str, dst: str, dport: int) -> int:
+    """The shard of entry chain `base` that a rule for `dst` (`-d` text) and `dport` goes to."""
+    if base in DST_SHARDED:
+        addr = dst.partition("/")[0]
+        if ":" in addr:
+            return socket.inet_pton(socket.AF_INET6, addr)[-1]
+        return int(addr.rpartition(".")[2])
+    return dport // PORTS_PER_SHARD
+
+
+def shard_ports(shard: int) -> tuple[int, int]:
+    """The destination ports of a port shard, lowest and highest (port 0 is never one)."""
+    return max(1, shard * PORTS_PER_SHARD), shard * PORTS_PER_SHARD + PORTS_PER_SHARD - 1
 
 
 def shard_chain(base: str, shard: int) -> str:
@@ -160,6 +177,8 @@ class Rule:
     protocol: str = ""
     dst: str = ""
     dport: int = 0
+    dport_hi: int = 0
+    """With `dport`, a range: `--dport dport:dport_hi`."""
     physdev_not_in: bool = False
     dst_local: bool = False
     state_new: bool = False
@@ -184,7 +203,9 @@ class Rule:
         if self.protocol:
             parts += ["-p", self.protocol]
         parts += ["-m", "comment", "--comment", f'"{self.comment}"']
-        if self.dport:
+        if self.dport_hi:
+            parts += ["-m", self.protocol, "--dport", f"{self.dport}:{self.dport_hi}"]
+        elif self.dport:
             parts += ["-m", self.protocol, "--dport", str(self.dport)]
         if self.physdev_not_in:
             parts += ["-m", "physdev", "!", "--physdev-is-in"]
@@ -237,12 +258,28 @@ class Rule:
         return self.to_chain and not is_ours(self.table, self.chain)
 
 
-def shard_jump(family: Family, table: str, base: str, shard: int) -> Rule:
-    """The rule of an entry chain that sends its packets on to one of its shards."""
+def shard_jumps(
+    family: Family, table: str, base: str, shard: int, protocols: Iterable[str] = ()
+) -> tuple[Rule, ...]:
+    """The rules of an entry chain that send its packets on to one of its shards: one with the
+    destination mask (a `DST_SHARDED` chain), else one per protocol with the port range."""
     chain = shard_chain(base, shard)
-    return Rule(family, table, base, chain, f"service ports of shard {shard:02X}",
-                why=f"on to {chain}: the rules of the service ports whose name hashes to"
-                f" {shard:02X}")  # fmt: skip
+    if base in DST_SHARDED:
+        if family == 6:
+            dst = socket.inet_ntop(socket.AF_INET6, bytes(15) + bytes([shard])) + "/::ff"
+        else:
+            dst = f"0.0.0.{shard}/0.0.0.255"
+        return (Rule(family, table, base, chain, f"shard {shard:02X}: destinations ending in"
+                     f" {shard:02X}", dst=dst,
+                     why=f"on to {chain}: the rules for the addresses whose last byte is"
+                     f" {shard} (0x{shard:02X})"),)  # fmt: skip
+    lo, hi = shard_ports(shard)
+    return tuple(
+        Rule(family, table, base, chain, f"shard {shard:02X}: ports {lo}-{hi}", protocol=p,
+             dport=lo, dport_hi=hi,
+             why=f"on to {chain}: the rules for {p.upper()} ports {lo} to {hi}")
+        for p in protocols
+    )  # fmt: skip
 
 
 def jumps(family: Family) -> list[Rule]:
@@ -333,18 +370,17 @@ def _host_ip(settings: Settings, family: Family) -> str:
 class _Renderer:
     """Accumulates the rules of one service port after another, skipping duplicates."""
 
-    def __init__(self, settings: Settings, shard: int = -1) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.s = settings
-        self.shard = shard
-        """Rules go to this shard of each entry chain (-1: to the entry chains themselves)."""
         self.rules: list[Rule] = []
         self.skipped: list[tuple[ServicePortName, str]] = []
         """ClusterIPs left without rules because the proxy ports do not serve their family."""
         self._seen: set[Rule] = set()
 
-    def ch(self, base: str) -> str:
-        """The chain a rule of entry chain `base` goes to."""
-        return base if self.shard < 0 else shard_chain(base, self.shard)
+    @staticmethod
+    def ch(base: str, dst: str, dport: int) -> str:
+        """The shard of entry chain `base` that a rule for `dst` and `dport` goes to."""
+        return shard_chain(base, shard_for(base, dst, dport))
 
     def add(self, rule: Rule) -> None:
         if rule not in self._seen:
@@ -353,7 +389,7 @@ class _Renderer:
 
     def container(self, match: _Match, chain: str, to_port: int, why: str) -> None:
         """A rule for arriving packets: REDIRECT, or DNAT to a specific bind address."""
-        bind, chain = self.s.bind_address, self.ch(chain)
+        bind, chain = self.s.bind_address, self.ch(chain, match["dst"], match["dport"])
         if bind in _WILDCARDS:
             self.add(Rule(chain=chain, target="REDIRECT", to_port=to_port, why=why, **match))
         else:
@@ -363,7 +399,8 @@ class _Renderer:
 
     def host(self, match: _Match, chain: str, to_port: int, why: str) -> None:
         """A rule for the node's own packets: DNAT to the node IP (or the bind address)."""
-        to_addr, chain = _host_ip(self.s, match["family"]), self.ch(chain)
+        to_addr = _host_ip(self.s, match["family"])
+        chain = self.ch(chain, match["dst"], match["dport"])
         if to_addr:
             why = f"{why} via {to_addr}"
             self.add(
@@ -456,8 +493,8 @@ class _Renderer:
         else:
             reject = "icmp6-port-unreachable" if family == 6 else "icmp-port-unreachable"
         self.add(
-            Rule(family, FILTER, self.ch(PROXY_PORTS), "REJECT", str(pp.info.name), protocol=proto,
-                 dport=port, reject_with=reject,
+            Rule(family, FILTER, self.ch(PROXY_PORTS, "", port), "REJECT", str(pp.info.name),
+                 protocol=proto, dport=port, reject_with=reject,
                  why=f"refuse {proto.upper()} connections made straight to proxy port {port}"
                  f" ({pp.info.name}): only the nat rules may send traffic there")
         )  # fmt: skip
@@ -486,7 +523,7 @@ class _Renderer:
                 Rule(
                     family,
                     FILTER,
-                    self.ch(NON_LOCAL_NODEPORTS),
+                    self.ch(NON_LOCAL_NODEPORTS, "", ext),
                     "ACCEPT",
                     name,
                     protocol=proto,
@@ -502,9 +539,9 @@ class _Renderer:
 def render_port(
     pp: ProxiedPort, settings: Settings
 ) -> tuple[tuple[Rule, ...], list[tuple[ServicePortName, str]]]:
-    """One service port's rules, in its shard of each entry chain, without duplicates; and
+    """One service port's rules, each in its shard (`shard_for`), without duplicates; and
     (service port, ClusterIP) for each ClusterIP of a family the proxy ports do not serve."""
-    r = _Renderer(settings, shard_of(pp.info.name))
+    r = _Renderer(settings)
     try:
         r.port(pp)
     except ValueError as exc:  # one bad port never fails the whole table's commit
@@ -530,8 +567,10 @@ def claimed(saved: Iterable[tuple[str, str]]) -> dict[ClaimKey, int]:
     IP variants point at the external port. A plain portal rule is a ClusterIP's or, just the
     same, a LoadBalancer IP's (or an external IP's without physdev): its port is the cluster
     port unless it is the external one; with two such ports and no other external rule (a
-    LoadBalancer without NodePort), the first in the chain is taken as the cluster port, as a
-    chain holds a service port's ClusterIP rules before its LoadBalancer rules.
+    LoadBalancer without NodePort), the first in kernel order is taken as the cluster port.
+    Nothing in the rules tells which is which: the ClusterIP's and the LoadBalancer IP's sit
+    in the shards of their addresses, so a LoadBalancer IP in a lower shard swaps the two
+    until the first sync rewrites them.
     """
     plain: dict[tuple[str, str], list[int]] = {}
     external: dict[tuple[str, str], int] = {}
