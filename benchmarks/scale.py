@@ -22,6 +22,9 @@ loop), each beside the same figure measured just before the storm.
 
     sudo .venv/bin/python benchmarks/scale.py [--scenarios 1000x3,10000x3,10000x5]
         [--changes 20] [--workers 1] [--quick]
+    # the start-up alone, this tree against another checkout's src/, alternating, 3 runs each:
+    sudo .venv/bin/python benchmarks/scale.py --scenarios 10000x3 --startup-only \
+        --baseline OTHER_CHECKOUT/src --repeat 3
 
 Writes benchmarks/results/scale.md, scale.json and scale.png (matplotlib, from the optional
 `bench` extra, installed when missing).
@@ -171,18 +174,25 @@ async def until_answers(ip: str, expect: str | None = None, deadline: float = 30
     return first[0] if first else None
 
 
-async def sweep(ips: list[str], started: float, deadline: float) -> tuple[float | None, int]:
+async def sweep(
+    ips: list[str], started: float, deadline: float, marks: dict[str, float] | None = None
+) -> tuple[float | None, int]:
     """Seconds after `started` until every IP has answered once (None: some never did).
 
     A sample of the IPs is polled first with overlapping attempts (an attempt made before
     the rules exist is lost for a second); once they all answer, every IP is asked, and
-    those that do not answer are asked again.
+    those that do not answer are asked again. `marks` gets the seconds after `started` at
+    which the first sampled IP answered ("first") and the whole sample had ("sample").
     """
     sample = ips[:: max(1, len(ips) // 20)] + ips[-1:]
     for ip in sample:
         left = deadline - (time.monotonic() - started)
         if left <= 0 or await until_answers(ip, deadline=left) is None:
             return None, len(ips)
+        if marks is not None:
+            marks.setdefault("first", time.monotonic() - started)
+    if marks is not None:
+        marks["sample"] = time.monotonic() - started
     pending = set(ips)
     last = None
     gate = asyncio.Semaphore(512)
@@ -298,7 +308,11 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
     fake.create(endpoint_slice("mover", [pods[0][1]]))
     kubeconfig = fake.write_kubeconfig(tmp / "kubeconfig")
     log = (tmp / f"proxy-{n}x{per}.log").open("wb")  # closed in the finally below
+    # --baseline: the same proxy from another checkout's src/ (PYTHONPATH wins over the
+    # editable install; its workers inherit it).
+    wrapper = ["env", f"PYTHONPATH={args.src}"] if args.src else []
     command = [
+        *wrapper,
         str(PROXY),
         "run",
         "--kubeconfig",
@@ -321,7 +335,9 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
         "0",
     ]
     started = time.monotonic()
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)  # noqa: ASYNC220
+    proc = subprocess.Popen(  # noqa: ASYNC220
+        command, stdout=log, stderr=subprocess.STDOUT, env=compiled_env(tmp)
+    )
     spies: list[subprocess.Popen[bytes]] = []
 
     def profile(phase: str, seconds: float) -> None:
@@ -340,9 +356,17 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"services": n, "endpoints": per, "workers": args.workers}
     try:
         ips = [cluster_ip(i) for i in range(n)] + ["10.96.240.1"]
-        all_answer, missing = await sweep(ips, started, deadline=args.start_deadline)
+        marks: dict[str, float] = {}
+        all_answer, missing = await sweep(ips, started, deadline=args.start_deadline, marks=marks)
         result["all_answering_s"] = all_answer
+        result["first_answer_s"] = marks.get("first")
+        result["sample_answering_s"] = marks.get("sample")
         result["unanswered"] = missing
+        if args.startup_only:
+            result["processes"] = proxy_processes(proc.pid)
+            result["rss_mib"] = sum(p["rss_mib"] for p in result["processes"])
+            result["fds_max"] = max(p["fds"] for p in result["processes"])
+            return result
         await asyncio.sleep(3)  # settle: the first syncs' leftovers
 
         # Idle: CPU over a window that holds periodic resyncs (--iptables-sync-period 30s).
@@ -427,7 +451,10 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
 # ---- the outer driver (root namespace: creates and deletes the namespaces) -----------------
 
 
-def run_scenario(topo: Topology, tmp: Path, spec: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_scenario(
+    topo: Topology, tmp: Path, spec: str, args: argparse.Namespace, src: str | None = None
+) -> dict[str, Any]:
+    """One scenario in the node namespace; `src`: run the proxy from that checkout's src/."""
     n, per = (int(x) for x in spec.split("x"))
     inner = [
         sys.executable,
@@ -458,6 +485,8 @@ def run_scenario(topo: Topology, tmp: Path, spec: str, args: argparse.Namespace)
         args.profile_phase,
         "--profile-seconds",
         str(args.profile_seconds),
+        *(["--startup-only"] if args.startup_only else []),
+        *(["--src", src] if src else []),
     ]
     done = subprocess.run(
         ["ip", "netns", "exec", topo.node.name, *inner],
@@ -469,6 +498,7 @@ def run_scenario(topo: Topology, tmp: Path, spec: str, args: argparse.Namespace)
     if done.returncode != 0:
         raise RuntimeError(f"scenario {spec} failed:\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    result["variant"] = "baseline" if src else "this"
     # The next scenario starts from empty tables, as a fresh node would.
     topo.node.run(str(PROXY), "cleanup", check=False)
     return result
@@ -574,6 +604,111 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def compiled_env(tmp: Path) -> dict[str, str]:
+    """The proxy's environment: its modules' bytecode cached under `tmp`, as an installed
+    package has it (pip compiles at install), even where PYTHONDONTWRITEBYTECODE is set."""
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(tmp / "pycache")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def compile_sources(tmp: Path, *sources: str | None) -> None:
+    """Compile each `src/` tree once, so that no measured start pays for compiling."""
+    for src in (str(ROOT / "src"), *(s for s in sources if s)):
+        subprocess.run(
+            [sys.executable, "-m", "compileall", "-q", src], env=compiled_env(tmp), check=True
+        )
+
+
+def prepare(topo: Topology) -> None:
+    """The pods' extra addresses; the node's ephemeral ports (the probes' and the
+    kernel-chosen proxy ports) and TIME_WAIT reuse."""
+    for pod, ip in pod_addresses()[len(PODS) :]:
+        topo.pods[pod].ip("addr", "add", f"{ip}/24", "dev", "eth0")
+    topo.node.run("sysctl", "-qw", "net.ipv4.ip_local_port_range=20000 65000")
+    topo.node.run("sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1")
+
+
+def startup_table(results: list[dict[str, Any]]) -> str:
+    """Per scenario and variant: the median of the runs, each run, and this / baseline."""
+    lines = [
+        "| scenario | proxy | runs | first ClusterIP answering (median) "
+        "| all answering (median) | each run | ratio to baseline |",
+        "|---|---|---:|---:|---:|---|---:|",
+    ]
+
+    def median(values: list[float]) -> float:
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2] if ordered else float("nan")
+
+    specs = list(dict.fromkeys(f"{r['services']}x{r['endpoints']}" for r in results))
+    for spec in specs:
+        medians: dict[str, float] = {}
+        for variant in ("baseline", "this"):
+            runs = [
+                r
+                for r in results
+                if f"{r['services']}x{r['endpoints']}" == spec and r["variant"] == variant
+            ]
+            if not runs:
+                continue
+            alls = [r["all_answering_s"] or float("inf") for r in runs]
+            firsts = [r["first_answer_s"] or float("inf") for r in runs]
+            medians[variant] = median(alls)
+            ratio = ""
+            if variant == "this" and "baseline" in medians:
+                ratio = f"{medians['this'] / medians['baseline']:.2f}x"
+            each = ", ".join(f"{a:.1f}" for a in alls)
+            lines.append(
+                f"| {spec} | {variant} | {len(runs)} | {median(firsts):.1f} s "
+                f"| {medians[variant]:.1f} s | {each} | {ratio} |"
+            )
+    return "\n".join(lines)
+
+
+def startup_only(args: argparse.Namespace) -> int:
+    """`--startup-only`: each scenario `--repeat` times (alternating with `--baseline`)."""
+    results = []
+    variants: list[str | None] = [args.baseline, None] if args.baseline else [None]
+    with tempfile.TemporaryDirectory(prefix="kup-scale-") as tmpdir:
+        tmp = Path(tmpdir)
+        topo = Topology.create(tmp)
+        try:
+            prepare(topo)
+            compile_sources(tmp, args.baseline)
+            for spec in args.scenarios.split(","):
+                for run in range(args.repeat):
+                    for src in variants:
+                        print(f"scenario {spec} run {run + 1} {src or 'this'} ...", file=sys.stderr)
+                        results.append(run_scenario(topo, tmp, spec, args, src))
+                        print(json.dumps(results[-1])[:600], file=sys.stderr, flush=True)
+        finally:
+            topo.destroy()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "machine": f"{os.cpu_count()} x {cpu_model()}",
+        "commit": source_commit(),
+        "baseline": args.baseline,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "workers": args.workers,
+        "load_average": os.getloadavg(),
+    }
+    text = (
+        f"# Start-up: {args.scenarios}\n\n{meta['machine']}; commit {meta['commit']}"
+        f"{'; baseline ' + str(args.baseline) if args.baseline else ''}; {meta['date']};"
+        f" `--workers {args.workers}`; load average at the end"
+        f" {', '.join(f'{x:.2f}' for x in meta['load_average'])}.\n\n"
+        + startup_table(results)
+        + "\n"
+    )
+    (RESULTS / "scale-startup.md").write_text(text)
+    (RESULTS / "scale-startup.json").write_text(
+        json.dumps({"meta": meta, "results": results}, indent=2)
+    )
+    print(text)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenarios", default="1000x3,10000x3,10000x5")
@@ -585,6 +720,17 @@ def main() -> int:
     parser.add_argument("--start-deadline", type=float, default=180.0)
     parser.add_argument("--workers", default="1", help="the proxy's --workers")
     parser.add_argument("--quick", action="store_true", help="1,000 only, 5 changes, short")
+    parser.add_argument(
+        "--startup-only",
+        action="store_true",
+        help="measure only the start (until all ClusterIPs answer); writes scale-startup.*",
+    )
+    parser.add_argument(
+        "--baseline",
+        help="with --startup-only: also run the proxy from another checkout's src/, runs"
+        " alternating with this tree's, and report the ratios",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="runs per scenario (and variant)")
     parser.add_argument(
         "--profile-dir",
         help="record one --profile-phase of the proxy with py-spy (collapsed stacks) and"
@@ -599,6 +745,7 @@ def main() -> int:
     parser.add_argument("--services", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--endpoints", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
+    parser.add_argument("--src", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
         import uvloop
@@ -615,19 +762,22 @@ def main() -> int:
         return 2
     if args.quick:
         args.scenarios, args.changes, args.idle, args.storm = "1000x3", 5, 10.0, 3.0
+    if args.baseline and not args.startup_only:
+        parser.error("--baseline needs --startup-only")
+    if args.baseline:
+        args.baseline = str(Path(args.baseline).resolve())
     missing = install_missing({}, extra="bench")
     if missing:
-        print(f"charts skipped: {missing}", file=sys.stderr)
+        print(f"charts (and --profile-dir) skipped: {missing}", file=sys.stderr)
+    if args.startup_only:
+        return startup_only(args)
     results = []
     with tempfile.TemporaryDirectory(prefix="kup-scale-") as tmpdir:
         tmp = Path(tmpdir)
         topo = Topology.create(tmp)
         try:
-            for pod, ip in pod_addresses()[len(PODS) :]:
-                topo.pods[pod].ip("addr", "add", f"{ip}/24", "dev", "eth0")
-            # The node's ephemeral ports (the probes' and the kernel-chosen proxy ports).
-            topo.node.run("sysctl", "-qw", "net.ipv4.ip_local_port_range=20000 65000")
-            topo.node.run("sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1")
+            prepare(topo)
+            compile_sources(tmp)
             for spec in args.scenarios.split(","):
                 print(f"scenario {spec} ...", file=sys.stderr, flush=True)
                 results.append(run_scenario(topo, tmp, spec, args))

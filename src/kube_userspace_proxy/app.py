@@ -19,7 +19,7 @@ from typing import Any, TypeVar, cast
 
 import uvloop
 
-from kube_userspace_proxy import handover, logs, netutil, statefile
+from kube_userspace_proxy import collector, handover, logs, netutil, statefile
 from kube_userspace_proxy import kubeproxyconfig as kpc
 from kube_userspace_proxy.config import ProxyConfig, effective_document
 from kube_userspace_proxy.errors import ProxyError
@@ -177,6 +177,8 @@ class Proxy:
             loopback_endpoints=config.allows_loopback_endpoints,
         )
         self._frozen_at = 0  # service ports at the last gc.freeze()
+        self.first_build = collector.Hold()
+        """The collector is held off from the start until the first sync is done."""
         self.runner = BoundedFrequencyRunner(
             self.sync_once,
             min_interval=config.min_sync_period,
@@ -305,6 +307,7 @@ class Proxy:
         await self.proxier.sync(snapshot, full=self.runner.periodic)
         self._applied_once = True
         await self._after(snapshot)
+        self.first_build.end()
         self.metrics.sync_done(time.monotonic() - started)
         self.health.synced()
         self.syncs += 1
@@ -569,7 +572,20 @@ async def serve(
         limit,
     )
     proxy = build(config)
-    stop = stop or asyncio.Event()
+    # Until the first sync, nearly all that is built lives on (see collector.py).
+    proxy.first_build.begin()
+    try:
+        return await _serve(proxy, stop or asyncio.Event(), started)
+    finally:
+        proxy.first_build.abandon()  # ended before its first sync: the collector runs again
+
+
+async def _serve(
+    proxy: Proxy,
+    stop: asyncio.Event,
+    started: Callable[[Proxy], Awaitable[None] | None] | None,
+) -> int:
+    config = proxy.config
     taken = None
     if config.state_dir:
         try:

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kube_userspace_proxy import channel, fdpass, logs
+from kube_userspace_proxy import channel, collector, fdpass, logs
 from kube_userspace_proxy.balancer import PINS_SHOWN, EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
 from kube_userspace_proxy.dataplane.tcp import is_listening
@@ -107,7 +107,8 @@ class Worker:
                 return 1
             kind = message[0]
             if kind == "table":
-                await self.apply(*message[1:])
+                with collector.held_off():  # what a whole table builds lives on (frozen)
+                    await self.apply(*message[1:])
             elif kind == "delta":
                 await self.apply_delta(*message[1:])
             elif kind == "ping":  # the control process checks that this loop runs
