@@ -175,14 +175,20 @@ async def until_answers(ip: str, expect: str | None = None, deadline: float = 30
 
 
 async def sweep(
-    ips: list[str], started: float, deadline: float, marks: dict[str, float] | None = None
+    ips: list[str],
+    started: float,
+    deadline: float,
+    marks: dict[str, float] | None = None,
+    proxy_pid: int | None = None,
 ) -> tuple[float | None, int]:
     """Seconds after `started` until every IP has answered once (None: some never did).
 
     A sample of the IPs is polled first with overlapping attempts (an attempt made before
     the rules exist is lost for a second); once they all answer, every IP is asked, and
     those that do not answer are asked again. `marks` gets the seconds after `started` at
-    which the first sampled IP answered ("first") and the whole sample had ("sample").
+    which the first sampled IP answered ("first") and the whole sample had ("sample"), and
+    the CPU seconds that the proxy (`proxy_pid` and its workers) and this process spent
+    asking every IP after the sample ("sweep_proxy_cpu", "sweep_probe_cpu").
     """
     sample = ips[:: max(1, len(ips) // 20)] + ips[-1:]
     for ip in sample:
@@ -193,6 +199,8 @@ async def sweep(
             marks.setdefault("first", time.monotonic() - started)
     if marks is not None:
         marks["sample"] = time.monotonic() - started
+    proxy_cpu = tree_cpu(proxy_pid) if proxy_pid else 0.0
+    probe_cpu = cpu_seconds(os.getpid())
     pending = set(ips)
     last = None
     gate = asyncio.Semaphore(512)
@@ -206,6 +214,9 @@ async def sweep(
 
     while pending and time.monotonic() - started < deadline:
         await asyncio.gather(*(one(ip) for ip in list(pending)))
+    if marks is not None:
+        marks["sweep_proxy_cpu"] = (tree_cpu(proxy_pid) if proxy_pid else 0.0) - proxy_cpu
+        marks["sweep_probe_cpu"] = cpu_seconds(os.getpid()) - probe_cpu
     return (last if not pending else None), len(pending)
 
 
@@ -318,7 +329,8 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
         "--kubeconfig",
         str(kubeconfig),
         "--state-dir",
-        str(tmp / f"state-{n}x{per}"),
+        # A fresh node: no state file of an earlier run (which it would serve from first).
+        tempfile.mkdtemp(dir=tmp, prefix=f"state-{n}x{per}-"),
         "--hostname-override",
         "node",
         "--node-ip",
@@ -336,7 +348,7 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
     ]
     started = time.monotonic()
     proc = subprocess.Popen(  # noqa: ASYNC220
-        command, stdout=log, stderr=subprocess.STDOUT, env=compiled_env(tmp)
+        command, stdout=log, stderr=subprocess.STDOUT, env=compiled_env()
     )
     spies: list[subprocess.Popen[bytes]] = []
 
@@ -357,10 +369,14 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
     try:
         ips = [cluster_ip(i) for i in range(n)] + ["10.96.240.1"]
         marks: dict[str, float] = {}
-        all_answer, missing = await sweep(ips, started, deadline=args.start_deadline, marks=marks)
+        all_answer, missing = await sweep(
+            ips, started, deadline=args.start_deadline, marks=marks, proxy_pid=proc.pid
+        )
         result["all_answering_s"] = all_answer
         result["first_answer_s"] = marks.get("first")
         result["sample_answering_s"] = marks.get("sample")
+        result["sweep_proxy_cpu_s"] = marks.get("sweep_proxy_cpu")
+        result["sweep_probe_cpu_s"] = marks.get("sweep_probe_cpu")
         result["unanswered"] = missing
         if args.startup_only:
             result["processes"] = proxy_processes(proc.pid)
@@ -604,19 +620,20 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def compiled_env(tmp: Path) -> dict[str, str]:
-    """The proxy's environment: its modules' bytecode cached under `tmp`, as an installed
-    package has it (pip compiles at install), even where PYTHONDONTWRITEBYTECODE is set."""
-    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(tmp / "pycache")}
+def compiled_env() -> dict[str, str]:
+    """The proxy's environment: its modules' bytecode used from (and kept in) __pycache__,
+    as an installed package has it (pip compiles at install), even where
+    PYTHONDONTWRITEBYTECODE is set (then every start would compile the proxy's modules)."""
+    env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 
-def compile_sources(tmp: Path, *sources: str | None) -> None:
+def compile_sources(*sources: str | None) -> None:
     """Compile each `src/` tree once, so that no measured start pays for compiling."""
     for src in (str(ROOT / "src"), *(s for s in sources if s)):
         subprocess.run(
-            [sys.executable, "-m", "compileall", "-q", src], env=compiled_env(tmp), check=True
+            [sys.executable, "-m", "compileall", "-q", src], env=compiled_env(), check=True
         )
 
 
@@ -630,16 +647,21 @@ def prepare(topo: Topology) -> None:
 
 
 def startup_table(results: list[dict[str, Any]]) -> str:
-    """Per scenario and variant: the median of the runs, each run, and this / baseline."""
+    """Per scenario and variant: medians of the runs (seconds from the proxy's start; the
+    CPU that the proxy and the probe spent asking every ClusterIP after the first sample),
+    all answering in each run, and this / baseline."""
     lines = [
-        "| scenario | proxy | runs | first ClusterIP answering (median) "
-        "| all answering (median) | each run | ratio to baseline |",
-        "|---|---|---:|---:|---:|---|---:|",
+        "| scenario | proxy | runs | first ClusterIP answering | all answering | each run"
+        " | ratio to baseline | sweep: proxy CPU | sweep: probe CPU |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|",
     ]
 
     def median(values: list[float]) -> float:
         ordered = sorted(values)
-        return ordered[len(ordered) // 2] if ordered else float("nan")
+        if not ordered:
+            return float("nan")
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
     specs = list(dict.fromkeys(f"{r['services']}x{r['endpoints']}" for r in results))
     for spec in specs:
@@ -659,9 +681,12 @@ def startup_table(results: list[dict[str, Any]]) -> str:
             if variant == "this" and "baseline" in medians:
                 ratio = f"{medians['this'] / medians['baseline']:.2f}x"
             each = ", ".join(f"{a:.1f}" for a in alls)
+            proxy_cpu = median([r.get("sweep_proxy_cpu_s") or float("nan") for r in runs])
+            probe_cpu = median([r.get("sweep_probe_cpu_s") or float("nan") for r in runs])
             lines.append(
-                f"| {spec} | {variant} | {len(runs)} | {median(firsts):.1f} s "
-                f"| {medians[variant]:.1f} s | {each} | {ratio} |"
+                f"| {spec} | {variant} | {len(runs)} | {median(firsts):.2f} s "
+                f"| {medians[variant]:.2f} s | {each} | {ratio} | {proxy_cpu:.1f} s"
+                f" | {probe_cpu:.1f} s |"
             )
     return "\n".join(lines)
 
@@ -675,10 +700,11 @@ def startup_only(args: argparse.Namespace) -> int:
         topo = Topology.create(tmp)
         try:
             prepare(topo)
-            compile_sources(tmp, args.baseline)
+            compile_sources(args.baseline)
             for spec in args.scenarios.split(","):
                 for run in range(args.repeat):
-                    for src in variants:
+                    # Each round swaps the order: neither side always runs first (cold).
+                    for src in variants if run % 2 == 0 else variants[::-1]:
                         print(f"scenario {spec} run {run + 1} {src or 'this'} ...", file=sys.stderr)
                         results.append(run_scenario(topo, tmp, spec, args, src))
                         print(json.dumps(results[-1])[:600], file=sys.stderr, flush=True)
@@ -777,7 +803,7 @@ def main() -> int:
         topo = Topology.create(tmp)
         try:
             prepare(topo)
-            compile_sources(tmp)
+            compile_sources()
             for spec in args.scenarios.split(","):
                 print(f"scenario {spec} ...", file=sys.stderr, flush=True)
                 results.append(run_scenario(topo, tmp, spec, args))
