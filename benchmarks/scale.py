@@ -39,6 +39,7 @@ import json
 import math
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -201,6 +202,7 @@ async def sweep(
         marks["sample"] = time.monotonic() - started
     proxy_cpu = tree_cpu(proxy_pid) if proxy_pid else 0.0
     probe_cpu = cpu_seconds(os.getpid())
+    probe_sys = resource.getrusage(resource.RUSAGE_SELF).ru_stime
     pending = set(ips)
     last = None
     gate = asyncio.Semaphore(512)
@@ -217,6 +219,7 @@ async def sweep(
     if marks is not None:
         marks["sweep_proxy_cpu"] = (tree_cpu(proxy_pid) if proxy_pid else 0.0) - proxy_cpu
         marks["sweep_probe_cpu"] = cpu_seconds(os.getpid()) - probe_cpu
+        marks["sweep_probe_sys"] = resource.getrusage(resource.RUSAGE_SELF).ru_stime - probe_sys
     return (last if not pending else None), len(pending)
 
 
@@ -377,6 +380,7 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
         result["sample_answering_s"] = marks.get("sample")
         result["sweep_proxy_cpu_s"] = marks.get("sweep_proxy_cpu")
         result["sweep_probe_cpu_s"] = marks.get("sweep_probe_cpu")
+        result["sweep_probe_sys_s"] = marks.get("sweep_probe_sys")
         result["unanswered"] = missing
         if args.startup_only:
             result["processes"] = proxy_processes(proc.pid)

@@ -243,6 +243,9 @@ class Proxier:
         # Sockets on the ports an earlier run's rules point at, kept for the same service
         # ports until the first commit; None until they have been read.
         self._claims: dict[ClaimKey, socket.socket] | None = None
+        # The first commit, started before the listeners are made: (its task, its targets,
+        # its node IPs), until `commit_rules` takes it.
+        self._early: tuple[asyncio.Task[bool], list[ProxiedPort], tuple[str, ...]] | None = None
         self._preferred: dict[ClaimKey, int] = {}
         # Sockets an earlier process handed over (`adopt`), used instead of binding anew.
         self._adopted_claims: dict[ClaimKey, socket.socket] = {}
@@ -322,9 +325,82 @@ class Proxier:
         target is only recorded (`rules_pending`): an endpoint-only change never needs one.
         """
         async with self._reconcile_lock:
+            if rules and self._first_commit_due(snapshot):
+                await self._commit_first_early(snapshot)
             await self._reconcile(snapshot, full=full and not snapshot.partial)
         if rules:
             await self.commit_rules(force=full)
+
+    def _first_commit_due(self, snapshot: Snapshot) -> bool:
+        return (
+            self._portals is not None
+            and self._applied_gen == -1
+            and self._early is None
+            and not snapshot.partial
+            and not self._quarantine
+        )
+
+    async def _commit_first_early(self, snapshot: Snapshot) -> None:
+        """Start the first rule commit before the listeners are made, not after them.
+
+        At 10,000 service ports making the listeners takes about as long as the commit (half
+        a second each), and the commit is mostly iptables-restore's own work, off this loop.
+        So each new service port's proxy port is reserved first, held as a claim (as an
+        earlier run's ports are, `_claim_previous_ports`) for the reconcile that follows to
+        serve on, and the rules naming those ports are committed meanwhile. Until its
+        listener starts, a connection to such a port is refused (TCP) or waits in the
+        socket (UDP), as on a Service without endpoints: on a first start there were no rules
+        at all. `commit_rules` then waits for this commit and skips its own when the targets
+        came out the same. A service port that cannot be reserved here is left to the
+        reconcile (and to that commit), which reports why.
+        """
+        self._budget.start()
+        if self._claims is None:
+            await self._claim_previous_ports()
+        claims = self._claims
+        assert claims is not None
+        targets: list[ProxiedPort] = []
+        yielded = time.perf_counter()
+        for info in snapshot.services.values():
+            if time.perf_counter() - yielded > SLICE_SECONDS:
+                await asyncio.sleep(0)
+                yielded = time.perf_counter()
+            try:
+                cluster = self._reserve_early(info, Path.CLUSTER)
+                external = self._reserve_early(info, Path.EXTERNAL) if info.paths_differ else 0
+            except DescriptorBudgetError:
+                break  # the reconcile refuses the rest, each with the reason
+            except (PortExhaustedError, OSError):
+                continue
+            targets.append(ProxiedPort(info, cluster, external or cluster))
+        node_ips = snapshot.node_ips
+        portals = self._portals
+        assert portals is not None
+
+        async def commit() -> bool:
+            try:
+                await asyncio.to_thread(portals.apply, targets, node_ips)
+            except Exception as exc:  # the commit after the reconcile tries again
+                log.warning("the first rule commit failed (%s); trying again", exc)
+                return False
+            return True
+
+        task = asyncio.get_running_loop().create_task(commit(), name="first-commit")
+        self._early = (task, targets, node_ips)
+
+    def _reserve_early(self, info: ServicePortInfo, path: Path) -> int:
+        """The proxy port `_open` will serve `path` of `info` on: a claim held, or one
+        reserved now and held as a claim."""
+        assert self._claims is not None
+        key = (str(info.name), str(info.protocol))
+        claimed = self._claims.get((*key, str(path)))
+        if claimed is None and path is Path.CLUSTER and not info.paths_differ:
+            claimed = self._claims.get((*key, str(Path.EXTERNAL)))
+        if claimed is None:
+            self._budget.take(f"its {path} proxy port")
+            claimed = self._allocator.reserve(info.protocol, name=str(info.name))
+            self._claims[(*key, str(path))] = claimed
+        return int(claimed.getsockname()[1])
 
     async def _reconcile(self, snapshot: Snapshot, *, full: bool) -> None:
         same_node = snapshot.node_name == self.node_name
@@ -374,7 +450,8 @@ class Proxier:
                 if self._errors.get(name) != repr(exc):
                     log.exception("%s: unexpected error while syncing", name)
                 self._errors[name] = repr(exc)
-        # Listeners serve their endpoints before any rule points at them.
+        # Listeners serve their endpoints before any rule points at them (but for the first
+        # commit, `_commit_first_early`).
         await self._dataplane.publish()
         opened, self._opened = self._opened, []
         # One line per new service port, unless a sync opens thousands (a start at scale):
@@ -424,6 +501,12 @@ class Proxier:
         listener serves; reconciles go on while the commit runs (in a thread).
         """
         async with self._commit_lock:
+            early_done = False
+            if self._early is not None:
+                task, early_targets, early_ips = self._early
+                self._early = None
+                early_done = await task
+                self.rule_applies += early_done
             async with self._reconcile_lock:
                 releasable, self._quarantine = self._quarantine, []
                 generation = self._rules_gen
@@ -435,6 +518,10 @@ class Proxier:
                     or node_ips != self._applied_node_ips
                 )
                 targets = self.proxied_ports() if wanted else []
+            if early_done and not releasable and (targets, node_ips) == (early_targets, early_ips):
+                wanted = False  # the first commit, made early, named exactly these
+                self._applied_gen = generation
+                self._applied_node_ips = node_ips
             if wanted and self._portals is not None:
                 try:
                     await asyncio.to_thread(self._portals.apply, targets, node_ips)
@@ -687,6 +774,9 @@ class Proxier:
         `release`: the sockets were handed over to a new process: close only this process's
         descriptors, leaving them as they are for it (`Listener.release`).
         """
+        if self._early is not None:  # a first commit still running: let it end
+            await asyncio.gather(self._early[0], return_exceptions=True)
+            self._early = None
         listeners = [lst for served in self._served.values() for lst in served.every_listener()]
         await asyncio.gather(
             *(lst.release() if release else lst.close() for lst in listeners),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from collections.abc import AsyncIterator, Sequence
 from types import MappingProxyType
 
@@ -19,8 +20,8 @@ from kube_userspace_proxy.model import (
     Snapshot,
 )
 from kube_userspace_proxy.ports import PortAllocator
-from kube_userspace_proxy.proxier import Proxier
-from tests.loopback.proxyrun import ask, start_named_backends
+from kube_userspace_proxy.proxier import LocalDataPlane, Proxier
+from tests.loopback.proxyrun import ask, start_named_backends, wait_for
 
 A = ServicePortName("default", "a", "http", Protocol.TCP)
 B = ServicePortName("default", "b", "http", Protocol.TCP)
@@ -307,3 +308,98 @@ async def test_an_endpoint_only_change_reaches_the_pool_without_a_rule_apply() -
         await proxier.shutdown(0.5)
         for _, _, server in backends:
             server.close()
+
+
+class GatedRules(RecordingRules):
+    """Rules whose commit waits for `gate` (in the commit's thread), as a slow one would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.started: list[dict[ServicePortName, int]] = []  # the ports each commit named
+
+    def apply(self, ports: Sequence[ProxiedPort], node_ips: Sequence[str]) -> None:
+        self.started.append({p.info.name: p.cluster_port for p in ports})
+        assert self.gate.wait(30), "the test never opened the gate"
+        super().apply(ports, node_ips)
+
+
+class CommitFirstDataPlane(LocalDataPlane):
+    """Listeners in this process whose reconcile ends (`publish`) only once a rule commit
+    has started: a proxier that commits after its listeners are made never gets there."""
+
+    def __init__(self, rules: GatedRules) -> None:
+        super().__init__()
+        self.rules = rules
+
+    async def publish(self) -> None:
+        await wait_for(lambda: self.rules.started, 5, "a rule commit under way")
+
+
+async def test_the_first_commit_runs_while_the_listeners_are_made(backend_port: int) -> None:
+    rules = GatedRules()
+    proxier = Proxier(
+        PortAllocator(None, host="127.0.0.1"),
+        portals=rules,
+        dataplane=CommitFirstDataPlane(rules),
+    )
+    eps = {n: (Endpoint("127.0.0.1", backend_port),) for n in (A, B)}
+    sync = asyncio.create_task(proxier.sync(_snap([_info(A), _info(B)], eps)))
+    try:
+        # The commit has started, naming ports, and waits; the listeners serve meanwhile.
+        await wait_for(lambda: rules.started and proxier.port_of(A) and proxier.port_of(B))
+        assert rules.started == [{A: proxier.port_of(A), B: proxier.port_of(B)}]
+        assert await ask(proxier.port_of(A)) == "pod"
+        assert not sync.done()  # the sync ends with its commit
+        rules.gate.set()
+        await asyncio.wait_for(sync, 10)
+        # One commit in all: the one made early named the ports the listeners serve on.
+        assert len(rules.applied) == 1
+        assert not proxier.rules_pending
+        assert proxier.rule_applies == 1
+    finally:
+        rules.gate.set()
+        await proxier.shutdown(0.5)
+
+
+async def test_a_first_commit_that_fails_early_is_made_again_after_the_listeners(
+    backend_port: int,
+) -> None:
+    failures = [RuntimeError("iptables-restore failed")]
+
+    class FailingOnce(RecordingRules):
+        def apply(self, ports: Sequence[ProxiedPort], node_ips: Sequence[str]) -> None:
+            if failures:
+                raise failures.pop()
+            super().apply(ports, node_ips)
+
+    rules = FailingOnce()
+    proxier = Proxier(PortAllocator(None, host="127.0.0.1"), portals=rules)
+    eps = {n: (Endpoint("127.0.0.1", backend_port),) for n in (A, B)}
+    try:
+        await proxier.sync(_snap([_info(A), _info(B)], eps))
+        assert not failures
+        assert [{p.info.name: p.cluster_port for p in ports} for ports in rules.applied] == [
+            {A: proxier.port_of(A), B: proxier.port_of(B)}
+        ]
+        assert not proxier.rules_pending
+    finally:
+        await proxier.shutdown(0.5)
+
+
+async def test_a_first_commit_names_only_the_ports_it_could_reserve(backend_port: int) -> None:
+    low, high = _two_free_ports()
+    rules = GatedRules()
+    rules.gate.set()
+    proxier = Proxier(PortAllocator((low, high), host="127.0.0.1"), portals=rules)
+    c = ServicePortName("default", "c", "http", Protocol.TCP)
+    eps = {n: (Endpoint("127.0.0.1", backend_port),) for n in (A, B, c)}
+    try:
+        await proxier.sync(_snap([_info(A), _info(B), _info(c)], eps))
+        served = {n: proxier.port_of(n) for n in (A, B, c) if proxier.port_of(n)}
+        assert len(served) == 2 and set(served.values()) == {low, high}
+        assert "no free TCP port" in next(iter(proxier.errors().values()))
+        assert rules.started == [served]  # the same set: one commit
+        assert len(rules.applied) == 1
+    finally:
+        await proxier.shutdown(0.5)
