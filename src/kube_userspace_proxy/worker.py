@@ -110,7 +110,8 @@ class Worker:
                 with collector.held_off():  # what a whole table builds lives on (frozen)
                     await self.apply(*message[1:])
             elif kind == "delta":
-                await self.apply_delta(*message[1:])
+                with collector.held_off():  # the first one carries the whole table
+                    await self.apply_delta(*message[1:])
             elif kind == "ping":  # the control process checks that this loop runs
                 channel.send(self._writer, ("pong", message[1], self.index))
             elif kind == "become":  # a spare takes the slot of a worker that died

@@ -166,6 +166,10 @@ class WorkerPool:
         self._failures = [0] * count
         self._ports: dict[Key, SharedPort] = {}
         self._groups: dict[Key, list[int]] = {}
+        # The route whose program each group holds now, as last given to a worker (a group
+        # of one socket needs none: it gets every connection). Attaching one costs the kernel
+        # a compile (~20-80 us): not again for the same route, 10,000 times per start.
+        self._programs: dict[Key, tuple[int, ...]] = {}
         self._pool_ids: weakref.WeakKeyDictionary[Picker, int] = weakref.WeakKeyDictionary()
         self._next_pool_id = itertools.count(1)
         self._seq = itertools.count(1)
@@ -195,6 +199,8 @@ class WorkerPool:
         """Port entries the deltas carried, in all (each delta's, counted once)."""
         self.tables = 0
         """Full tables sent (to a worker taking a slot)."""
+        self.programs_sent = 0
+        """Steering programs the workers were told to attach (each costs a kernel compile)."""
         self.restarts = 0
         """Workers replaced after an unexpected exit."""
         # Ports each worker (by index) reported it could not open, and the retry of them.
@@ -227,6 +233,7 @@ class WorkerPool:
             members.append(CONTROL)
         if not members:
             del self._groups[port.key]
+            self._programs.pop(port.key, None)
 
     def touch(self, port: SharedPort) -> None:
         """`port`'s pool or picker changed: the next `publish()` sends it."""
@@ -653,9 +660,15 @@ class WorkerPool:
             members = self._groups.get(key, [])
             joins = key[0] == "UDP" or bool(pools[pool_id][1])
             if joins and worker.index not in members:
-                routes[key] = steering.route_for([*members, worker.index], self.count)
+                if not members:  # the first socket of a new group: no program yet
+                    self._programs.pop(key, None)
+                    continue
+                routes[key] = self._programs[key] = steering.route_for(
+                    [*members, worker.index], self.count
+                )
         seq = next(self._seq)
         body = channel.encode((kind, seq, self._settings, *content, routes))
+        self.programs_sent += len(routes)
         return await self._apply(worker, body, seq)
 
     async def _apply(self, worker: _Worker, body: bytes, seq: int) -> set[Key]:
@@ -691,19 +704,27 @@ class WorkerPool:
         where = members.index(member)
         members[where] = members[-1]
         members.pop()
-        if not members:
+        if not members:  # the kernel frees the group, and its program with it
             del self._groups[key]
+            self._programs.pop(key, None)
 
     def _steer(self, keys: set[Key]) -> None:
-        routes = {
-            key: steering.route_for(self._groups[key], self.count)
-            for key in keys
-            if key in self._groups
-        }
+        """Send the workers the routes of the groups in `keys` whose program must change."""
+        routes = {}
+        for key in keys:
+            members = self._groups.get(key)
+            if members is None:
+                continue
+            route = steering.route_for(members, self.count)
+            if len(members) == 1 and members[0] >= 0 and key not in self._programs:
+                continue  # one worker's socket alone, without a program: it gets everything
+            if self._programs.get(key) != route:
+                routes[key] = self._programs[key] = route
         if not routes:
             return
         for worker in self._live():
             channel.send(worker.writer, ("steer", routes))
+            self.programs_sent += len(routes)
 
     # ---- counters ----------------------------------------------------------------------------
 

@@ -100,6 +100,23 @@ async def test_each_client_ip_keeps_its_endpoint_across_workers(
     assert len({next(iter(names)) for names in seen.values()}) == 3
 
 
+async def test_a_start_gives_each_reuseport_group_one_steering_program(
+    proxy_with_workers: app.Proxy,
+) -> None:
+    pool = proxy_with_workers.workers
+    assert pool is not None
+    # The first worker's socket starts the port's group alone (it gets every connection,
+    # no program needed); the second one's join brings the group's program; nothing after.
+    assert pool.programs_sent == 1
+    port = _port(proxy_with_workers)
+    seen: dict[str, set[str]] = {}
+    for _ in range(3):
+        for client in CLIENTS:
+            seen.setdefault(client, set()).add(await ask_from(client, port))
+    assert all(len(names) == 1 for names in seen.values()), seen  # steered by client IP
+    assert len({next(iter(names)) for names in seen.values()}) == 3
+
+
 async def test_counters_are_summed_over_the_workers(proxy_with_workers: app.Proxy) -> None:
     proxy = proxy_with_workers
     port = _port(proxy)
