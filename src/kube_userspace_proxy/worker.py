@@ -276,7 +276,9 @@ class Worker:
             stats = self._stats[name] = ConnStats()
         listener: TcpListener | UdpListener
         if kind == socket.SOCK_STREAM:
-            listener = TcpListener(sock, pool, stats, name=name, keepalive=self.tcp_keepalive)
+            listener = TcpListener(
+                sock, pool, stats, name=name, keepalive=self.tcp_keepalive, pinned=True
+            )
             listener.on_listen = lambda joined: self._membership(key, joined)
             await listener.start()
         else:

@@ -682,3 +682,36 @@ async def test_proxy_protocol_header_comes_before_the_first_byte(
     head = proxyproto.header(version, client, ("127.0.0.1", listener.port))
     assert reply == head + b"hello<eof seen by echo-a>"
     assert stats.bytes_in == len(b"hello")  # the header is not the client's payload
+
+
+async def test_a_pinned_reservation_is_served_as_it_is_and_keeps_its_port(
+    tcp_backends: Backends, round_robin: Any, eventually: Eventually
+) -> None:
+    backend = await tcp_backends("name", "pod")
+    # A worker's socket: the port asked for explicitly, SO_REUSEPORT from the start.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", port))
+    picker = round_robin(backend.address)
+    listener = TcpListener(sock, picker, ConnStats(), pinned=True)
+    try:
+        await listener.start()
+        assert listener.fileno() == sock.fileno()  # no second socket made
+        assert await ask_name(port) == "pod"
+        picker.endpoints.clear()
+        listener.refresh()  # no endpoints: refused, and the port stays this listener's
+        with pytest.raises(ConnectionRefusedError):
+            connect_blocking(port)
+        with socket.socket() as intruder, pytest.raises(OSError, match="in use"):
+            intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            intruder.bind(("127.0.0.1", port))
+        picker.endpoints.append(backend.address)
+        listener.refresh()
+        await eventually(lambda: listener.accepting, what="listening")
+        assert await ask_name(port) == "pod"
+    finally:
+        await listener.close()
+        await listener.drain(1.0)

@@ -558,8 +558,8 @@ async def test_ports_a_worker_could_not_open_are_sent_again_until_they_serve(
         victim = 1
         pid = pool.pids()[victim]
         _, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
-        # Worker 1 runs short of descriptors: room for two more, not for eight new ports.
-        resource.prlimit(pid, resource.RLIMIT_NOFILE, (_open_fds(pid) + 2, hard))
+        # Worker 1 runs short of descriptors: room for one more, not for eight new ports.
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (_open_fds(pid) + 1, hard))
         write_manifests(manifest, _many(12, ports))
         await wait_for(lambda: proxy.proxier.served_count == 12, 5, "12 Services")
         await wait_for(lambda: pool.unserved >= 6, 5, "worker 1's EMFILE reported")

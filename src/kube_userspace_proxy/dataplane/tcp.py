@@ -108,7 +108,9 @@ class TcpListener:
     `adopt`: `sock` is a reservation another proxy process handed over (`handover.py`), used
     as it is; if it listens already, it is served at once and stays where it is in its
     reuseport group (`on_listen` is not told: it did not join). `release()` gives it back
-    untouched.
+    untouched. `pinned`: `sock` is a reservation already (bound to the port explicitly, with
+    SO_REUSEPORT and without SO_REUSEADDR, as a worker binds its listeners), used as it is:
+    making another costs 4 system calls and a socket per port, 10,000 times at a start.
     """
 
     def __init__(
@@ -124,11 +126,12 @@ class TcpListener:
         backlog: int = 4096,
         keepalive: float = KEEPALIVE,
         adopt: bool = False,
+        pinned: bool = False,
     ) -> None:
         if sock.type != socket.SOCK_STREAM:
             raise ValueError(f"TcpListener needs a TCP socket, got {sock!r}")
         self._adopted_listening = adopt and is_listening(sock)
-        if adopt:
+        if adopt or pinned:
             sock.setblocking(False)
         else:
             sock = _reserve(sock)
