@@ -42,6 +42,8 @@ CHANNEL_BUFFER = 4 * 1024 * 1024
 APPLY_TIMEOUT = 10.0
 COLLECT_TIMEOUT = 2.0
 SUM_PART = 200
+PART = 1000
+"""Ports per message of a delta that goes to the workers one after the other."""
 """Ports whose counters `collect` sums between two yields to the event loop."""
 RESTART_DELAYS = (0.0, 0.25, 1.0, 2.0, 5.0)
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -292,9 +294,32 @@ class WorkerPool:
                 for reply in replies:
                     changed |= reply
             else:
-                for worker in live:
-                    changed |= await self._send(worker, "delta", delta)
+                changed = await self._send_in_order(live, delta)
             self._steer(changed)
+
+    async def _send_in_order(self, live: list[_Worker], delta: tuple[Any, ...]) -> set[Key]:
+        """Send a delta that changes reuseport groups to one worker after the other, in parts
+        of PART ports: a worker gets a part once the worker before it has applied that part.
+        Each port's joins still come in a known order (the routes depend on it), while the
+        workers apply different parts at once: at a start with 10,000 ports the second
+        worker no longer waits for the first one's whole table. Returns the changed groups.
+        """
+        listeners, removed, pools = delta
+        parts = [listeners[i : i + PART] for i in range(0, len(listeners), PART)] or [[]]
+        applied = [[asyncio.Event() for _ in parts] for _ in live]
+        changed: set[Key] = set()
+
+        async def feed(k: int, worker: _Worker) -> None:
+            for i, part in enumerate(parts):
+                if k:
+                    await applied[k - 1][i].wait()
+                part_pools = {entry[2]: pools[entry[2]] for entry in part}
+                content = (part, removed if i == 0 else [], part_pools)
+                changed.update(await self._send(worker, "delta", content))
+                applied[k][i].set()
+
+        await asyncio.gather(*(feed(k, worker) for k, worker in enumerate(live)))
+        return changed
 
     @property
     def unserved(self) -> int:

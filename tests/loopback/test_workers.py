@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kube_userspace_proxy import app
+from kube_userspace_proxy import app, workerpool
 from kube_userspace_proxy.balancer import PINS_SHOWN
 from kube_userspace_proxy.dataplane.steering import worker_of
 from kube_userspace_proxy.metrics import sample_value
@@ -589,3 +589,40 @@ async def test_ports_a_worker_could_not_open_are_sent_again_until_they_serve(
                 await ask_from(client, proxy.proxier.port_of(name))
                 == names_by_port[ports[i % len(ports)]]
             )
+
+
+async def test_a_big_delta_goes_to_the_workers_in_parts_each_port_joined_in_order(
+    tmp_path: Path,
+    backends: list[tuple[str, int, asyncio.Server]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(workerpool, "PART", 3)  # 8 ports: parts of 3, 3 and 2
+    ports = [p for _, p, _ in backends]
+    objects: list[Any] = []
+    for i in range(8):
+        objects.append(
+            service(
+                f"s{i}",
+                [{"name": "http", "port": 80}],
+                cluster_ip=f"10.96.1.{i}",
+                sessionAffinity="ClientIP",
+            )
+        )
+        objects.extend(endpoint_slice(f"s{i}", "http", [("127.0.0.1", p) for p in ports]))
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(manifest, objects)
+    async with running_proxy(loopback_config(manifest, workers=str(WORKERS))) as proxy:
+        pool = proxy.workers
+        assert pool is not None
+        await wait_for(lambda: pool.alive == WORKERS and proxy.proxier.served_count == 8)
+        # Worker 1 got each part after worker 0 had applied it: every group in that order.
+        groups = pool.groups()
+        assert len(groups) == 8 and all(m == [0, 1] for m in groups.values()), groups
+        assert pool.programs_sent == 8  # one route per group, attached by worker 1
+        for i in (0, 4, 7):
+            port = proxy.proxier.port_of(ServicePortName("default", f"s{i}", "http", Protocol.TCP))
+            seen: dict[str, set[str]] = {}
+            for _ in range(3):
+                for client in CLIENTS[:12]:
+                    seen.setdefault(client, set()).add(await ask_from(client, port))
+            assert all(len(names) == 1 for names in seen.values()), seen  # steered
