@@ -45,3 +45,17 @@ async def test_a_list_of_5000_slices_never_holds_every_raw_page(
     assert len(watching.snapshot().services) == SLICES
     # Beyond what the state keeps, the list needed a page or two of the ten, not all of them.
     assert peak - retained < raw_pages / 2, (peak - retained, raw_pages)
+
+
+async def test_a_paged_list_takes_one_token_of_the_rate_limit(
+    apiserver: FakeApiServer, start_source: StartSource
+) -> None:
+    for i in range(10):
+        apiserver.create(service(f"svc-{i}", cluster_ip=f"10.96.0.{i + 1}"))
+        apiserver.create(_slice(i))
+    # Three tokens and next to no refill: one for each list (Services, EndpointSlices, the
+    # Node), whatever its pages. A token per page would leave the lists waiting for hours.
+    watching = await start_source(page_size=2, qps=0.0001, burst=3)
+    assert len(watching.snapshot().services) == 10
+    assert apiserver.count("services", "list") >= 5  # it was paged
+    assert apiserver.count("endpointslices", "list") >= 5
