@@ -412,6 +412,10 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
         "--kube-api-qps",
         "0",
     ]
+    if args.stallwatch:
+        watch = [sys.executable, str(ROOT / "benchmarks" / "stallwatch.py")]
+        out = Path(args.stallwatch) / f"stalls-{n}x{per}.json"
+        command = [*watch, str(out), "--", *command[1:]]
     started = time.monotonic()
     proc = subprocess.Popen(  # noqa: ASYNC220
         command, stdout=log, stderr=subprocess.STDOUT, env=compiled_env()
@@ -506,13 +510,13 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
                 str(args.storm),
                 stdout=asyncio.subprocess.PIPE,
             )
-            cpu0 = tree_cpu(proc.pid)
+            cpu0, began = tree_cpu(proc.pid), time.time()
             if phase == "storm":
                 profile("storm", args.storm)
                 phases["changes"] = await storm(fake, names, addresses, args.storm_rate, args.storm)
             out, _ = await probes.communicate()
             cpu = 100 * (tree_cpu(proc.pid) - cpu0) / args.storm
-            phases[phase] = {**json.loads(out), "cpu_percent": cpu}
+            phases[phase] = {**json.loads(out), "cpu_percent": cpu, "wall": [began, time.time()]}
         result["storm"] = phases
         result["processes_after"] = proxy_processes(proc.pid)
     finally:
@@ -564,6 +568,7 @@ def run_scenario(
         "--workers",
         args.workers,
         *(["--profile-dir", args.profile_dir] if args.profile_dir else []),
+        *(["--stallwatch", args.stallwatch] if args.stallwatch else []),
         "--profile-phase",
         args.profile_phase,
         "--profile-seconds",
@@ -831,6 +836,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--profile-phase", choices=("startup", "changes", "storm"), default="startup"
+    )
+    parser.add_argument(
+        "--stallwatch",
+        help="run the proxy under benchmarks/stallwatch.py (the stacks that held its loop"
+        " each time it was late) and write stalls-NxE.json in this directory",
     )
     parser.add_argument("--profile-seconds", type=float, default=20.0, help="for the startup")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)

@@ -106,7 +106,7 @@ class Proxy:
         """Syncs completed (listeners, workers and rules all updated)."""
         self._saved: Snapshot | None = None
         self._unsaved = False
-        self._entries: statefile.EntryCache = {}  # the state file's entries, kept encoded
+        self._encoder = statefile.Encoder()  # the state file, kept encoded between saves
         self._saver: asyncio.Task[None] | None = None
         self._apply_wanted = asyncio.Event()
         self._applied_once = False
@@ -396,13 +396,10 @@ class Proxy:
         if self._saver is None or self._saver.done():
             self._saver = asyncio.create_task(self._save_loop(), name="state-file")
 
-    def _save(self, snapshot: Snapshot, targets: Sequence[ProxiedPort]) -> None:
-        ports = Proxier.ports_of(targets)
-        statefile.save(self.config.state_dir, snapshot, ports, self._entries)
-
     async def _save_loop(self) -> None:
         # At most one write every STATE_FILE_INTERVAL: at 10,000 Services the file is
-        # megabytes, and the thread that writes it takes the GIL from the event loop.
+        # megabytes. It is encoded here, on the loop, a slice per turn (see
+        # `statefile.encode_sliced`); only the write (file I/O) is left to a thread.
         while self._unsaved:
             self._unsaved = False
             snapshot = self.applied_state()
@@ -415,10 +412,10 @@ class Proxy:
             ):
                 continue
             self._saved = snapshot
-            # The rule targets are immutable: their ports are read in the thread, not here.
-            targets = self.proxier.proxied_ports()
+            ports = await _ports_sliced(self.proxier.proxied_ports())
+            data = await statefile.encode_sliced(self._encoder, snapshot, ports)
             try:
-                await asyncio.to_thread(self._save, snapshot, targets)
+                await asyncio.to_thread(statefile.write, self.config.state_dir, data)
                 self._save_failed = False
             except OSError as exc:
                 if not self._save_failed:
@@ -430,6 +427,20 @@ class Proxy:
         """Bring the per-service-port counters up to date (summed from the workers)."""
         if self.workers is not None:
             await self.workers.collect(debug=debug)
+
+
+PORTS_STEP = 500
+"""Rule targets whose proxy ports are read in one turn of the loop (`_ports_sliced`)."""
+
+
+async def _ports_sliced(targets: Sequence[ProxiedPort]) -> statefile.Ports:
+    """`Proxier.ports_of(targets)`, PORTS_STEP targets per turn of the loop."""
+    ports: statefile.Ports = {}
+    for start in range(0, len(targets), PORTS_STEP):
+        if start:
+            await asyncio.sleep(0)
+        ports.update(Proxier.ports_of(targets[start : start + PORTS_STEP]))
+    return ports
 
 
 class _Giver:

@@ -10,14 +10,17 @@ and names its node; a corrupt, foreign or newer file is ignored with one warning
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import os
 import tempfile
+import time
+from collections.abc import Generator
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.model import (
@@ -45,57 +48,135 @@ Ports = dict[tuple[str, str, str], int]
 
 _INFO_FIELDS = tuple(f.name for f in dataclasses.fields(ServicePortInfo) if f.name != "name")
 
-EntryCache = dict[ServicePortName, tuple[ServicePortInfo, tuple[Endpoint, ...], str]]
-"""Each service port's encoded entry, with the info and endpoint objects it was made from."""
+STEP = 256
+"""Entries (or proxy-port lines) encoded between two yields of `Encoder.steps`."""
+SLICE_SECONDS = 0.004
+"""Longest run of encoding between two turns of the event loop (`encode_sliced`)."""
 
 
-def encode(snapshot: Snapshot, ports: Ports, cache: EntryCache | None = None) -> bytes:
-    """The snapshot and its proxy ports as the versioned JSON document the file holds.
+class Encoder:
+    """The document, kept encoded from one save to the next.
 
-    Encoded an entry at a time: one `json.dumps` of the whole document (megabytes at 10,000
-    Services) would hold the GIL, and so stall the event loop, for a tenth of a second even
-    from a worker thread; small calls let the loop's thread in between. With a `cache` kept
-    from one call to the next, only the entries whose info or endpoints are other objects
-    than last time are encoded again (the state keeps unchanged ones): at 10,000 Services
-    a save after one change costs milliseconds, not a second of the GIL.
+    At 10,000 Services the file is megabytes. A service port's entry is encoded again only
+    when its info or endpoints are other objects than last time (the state keeps unchanged
+    ones), a proxy port's line only when its port changed, and the name order is sorted
+    again only when service ports come or go: a save after one change costs milliseconds.
+    Nothing is allocated for an unchanged entry (a save must not feed the garbage collector
+    10,000 new objects each time). One encoder per writer, used by one caller at a time.
     """
-    entries = []
-    fresh: EntryCache = {}
-    for name, info in snapshot.services.items():
-        endpoints = snapshot.endpoints_of(name)
-        known = cache.get(name) if cache is not None else None
-        if known is not None and known[0] is info and known[1] is endpoints:
-            text = known[2]
-        else:
-            entry = {
-                "name": [name.namespace, name.name, name.port, str(name.protocol)],
-                "info": {field: getattr(info, field) for field in _INFO_FIELDS},
-                # What dataclasses.astuple gives, without its deep copy (a tenth of the cost).
-                "endpoints": [
-                    (e.ip, e.port, e.ready, e.serving, e.terminating, e.node_name)
-                    for e in endpoints
-                ],
+
+    def __init__(self) -> None:
+        self._entries: dict[ServicePortName, tuple[ServicePortInfo, tuple[Endpoint, ...], str]] = {}
+        self._order: list[ServicePortName] = []
+        self._lines: dict[tuple[tuple[str, str, str], int], str] = {}
+        self._port_order: list[tuple[str, str, str]] = []
+
+    @property
+    def entries(self) -> dict[ServicePortName, str]:
+        """Each service port's encoded entry as of the last encode (a copy)."""
+        return {name: text for name, (_, _, text) in self._entries.items()}
+
+    def steps(self, snapshot: Snapshot, ports: Ports) -> Generator[None, None, bytes]:
+        """Encode `snapshot` and `ports`, yielding after every STEP items or single large
+        step (so that an event loop gets turns in between); the generator returns the
+        document."""
+        entries = self._entries
+        services = snapshot.services
+        reorder = False
+        for count, (name, info) in enumerate(services.items(), 1):
+            endpoints = snapshot.endpoints_of(name)
+            known = entries.get(name)
+            if known is None or known[0] is not info or known[1] is not endpoints:
+                reorder = reorder or known is None
+                entries[name] = (info, endpoints, _entry(name, info, endpoints))
+            if count % STEP == 0:
+                yield
+        if len(entries) != len(services):
+            for name in [n for n in entries if n not in services]:
+                del entries[name]
+            reorder = True
+            yield
+        if reorder:
+            # By the encoded text, which begins with the name: a file that does not churn.
+            self._order = sorted(entries, key=lambda n: entries[n][2])
+            yield
+        body = ",".join([entries[n][2] for n in self._order])
+        yield
+        if len(ports) != len(self._port_order) or any(k not in ports for k in self._port_order):
+            self._port_order = sorted(ports)
+            yield
+        lines = self._lines
+        fresh: list[str] = []
+        for count, key in enumerate(self._port_order, 1):
+            port = ports[key]
+            line = lines.get((key, port))
+            if line is None:
+                line = lines[(key, port)] = _dumps([*key, port])
+            fresh.append(line)
+            if count % STEP == 0:
+                yield
+        if len(lines) > len(fresh):  # drop the lines of ports gone or moved
+            kept = {(key, ports[key]) for key in self._port_order}
+            for stale in [item for item in lines if item not in kept]:
+                del lines[stale]
+            yield
+        head = _dumps(
+            {
+                "kind": KIND,
+                "version": VERSION,
+                "nodeName": snapshot.node_name,
+                "nodeIPs": list(snapshot.node_ips),
             }
-            text = _dumps(entry)
-        fresh[name] = (info, endpoints, text)
-        entries.append(text)
-    if cache is not None:
-        cache.clear()
-        cache.update(fresh)
-    entries.sort()  # by name (each entry starts with it): a file that does not churn
-    head = _dumps(
+        )
+        text = f'{head[:-1]},"servicePorts":[{body}],"proxyPorts":[{",".join(fresh)}]}}'
+        yield
+        return text.encode()
+
+
+def _entry(name: ServicePortName, info: ServicePortInfo, endpoints: tuple[Endpoint, ...]) -> str:
+    return _dumps(
         {
-            "kind": KIND,
-            "version": VERSION,
-            "nodeName": snapshot.node_name,
-            "nodeIPs": list(snapshot.node_ips),
+            "name": [name.namespace, name.name, name.port, str(name.protocol)],
+            "info": {field: getattr(info, field) for field in _INFO_FIELDS},
+            # What dataclasses.astuple gives, without its deep copy (a tenth of the cost).
+            "endpoints": [
+                (e.ip, e.port, e.ready, e.serving, e.terminating, e.node_name) for e in endpoints
+            ],
         }
     )
-    proxy_ports = [_dumps([*key, port]) for key, port in sorted(ports.items())]
-    text = (
-        f'{head[:-1]},"servicePorts":[{",".join(entries)}],"proxyPorts":[{",".join(proxy_ports)}]}}'
-    )
-    return text.encode()
+
+
+def encode(snapshot: Snapshot, ports: Ports, encoder: Encoder | None = None) -> bytes:
+    """The snapshot and its proxy ports as the versioned JSON document the file holds, at once.
+
+    With an `encoder` kept from one call to the next, only what changed is encoded again.
+    """
+    steps = (encoder or Encoder()).steps(snapshot, ports)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(bytes, done.value)
+
+
+async def encode_sliced(encoder: Encoder, snapshot: Snapshot, ports: Ports) -> bytes:
+    """`encode` on the event loop, giving it a turn after every SLICE_SECONDS of work.
+
+    Not in a thread: a thread running Python code holds the GIL for up to the switch
+    interval (5 ms) each time the loop's thread wants it back, and the loop wants it after
+    every wait for events, so each of its turns waited: measured at 10,000 Services, /livez
+    and requests through the data plane took 20-50 ms while a thread encoded the file.
+    """
+    steps = encoder.steps(snapshot, ports)
+    turn = time.perf_counter()
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(bytes, done.value)
+        if time.perf_counter() - turn > SLICE_SECONDS:
+            await asyncio.sleep(0)
+            turn = time.perf_counter()
 
 
 def _dumps(value: Any) -> str:
@@ -166,13 +247,16 @@ def _endpoint(raw: Any) -> Endpoint:
     return Endpoint(ip, port, bool(ready), bool(serving), bool(terminating), node)
 
 
-def save(directory: str, snapshot: Snapshot, ports: Ports, cache: EntryCache | None = None) -> None:
-    """Write the state atomically into `directory` (created if missing); blocking.
+def save(directory: str, snapshot: Snapshot, ports: Ports) -> None:
+    """Encode the state and write it atomically into `directory`; blocking."""
+    write(directory, encode(snapshot, ports))
 
-    `cache`: see `encode` (one cache per writer, used by one thread at a time)."""
+
+def write(directory: str, data: bytes) -> None:
+    """Write an encoded state atomically into `directory` (created if missing); blocking
+    (file I/O: a thread that runs it leaves the GIL to the event loop)."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    data = encode(snapshot, ports, cache)
     fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{FILE_NAME}.")
     try:
         with os.fdopen(fd, "wb") as out:

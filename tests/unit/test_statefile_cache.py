@@ -1,7 +1,10 @@
-"""The state file's entry cache: a save after one change encodes that change only."""
+"""The state file's encoder: a save after one change encodes that change only, on the loop
+a slice at a time, and gives the same document as a fresh encode."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -13,28 +16,100 @@ def _snapshot(count: int) -> Snapshot:
     names = [ServicePortName("default", f"s{i}", "http") for i in range(count)]
     return Snapshot(
         services=MappingProxyType(
-            {n: ServicePortInfo(n, 80, (f"10.96.0.{i + 1}",)) for i, n in enumerate(names)}
+            {n: ServicePortInfo(n, 80, (f"10.96.0.{i % 250 + 1}",)) for i, n in enumerate(names)}
         ),
         endpoints=MappingProxyType({n: (Endpoint("10.244.1.5", 8080),) for n in names}),
         node_name="node-1",
     )
 
 
-def test_a_cached_encoding_equals_a_fresh_one_and_reencodes_only_the_changed_entry() -> None:
+def _ports(snapshot: Snapshot) -> statefile.Ports:
+    return {(str(name), "TCP", "cluster"): 40000 + i for i, name in enumerate(snapshot.services)}
+
+
+def test_a_kept_encoding_equals_a_fresh_one_and_reencodes_only_the_changed_entry() -> None:
     first = _snapshot(50)
-    cache: statefile.EntryCache = {}
-    statefile.encode(first, {}, cache)
-    before = {name: text for name, (_, _, text) in cache.items()}
+    encoder = statefile.Encoder()
+    statefile.encode(first, {}, encoder)
+    before = encoder.entries
     moved = ServicePortName("default", "s7", "http")
     endpoints = dict(first.endpoints)
     endpoints[moved] = (Endpoint("10.244.9.9", 8080),)
     second = replace(first, endpoints=MappingProxyType(endpoints))
     ports = {("default/s7:http", "TCP", "cluster"): 40007}
-    assert statefile.encode(second, ports, cache) == statefile.encode(second, ports)
-    again = [name for name, (_, _, text) in cache.items() if text is not before[name]]
+    assert statefile.encode(second, ports, encoder) == statefile.encode(second, ports)
+    again = [name for name, text in encoder.entries.items() if text is not before[name]]
     assert again == [moved]
     decoded, decoded_ports = statefile.decode(
-        statefile.encode(second, ports, cache), node_name="node-1"
+        statefile.encode(second, ports, encoder), node_name="node-1"
     )
     assert decoded.endpoints_of(moved) == (Endpoint("10.244.9.9", 8080),)
     assert dict(decoded.services) == dict(second.services) and decoded_ports == ports
+
+
+def test_a_kept_encoding_follows_service_ports_and_proxy_ports_that_come_and_go() -> None:
+    encoder = statefile.Encoder()
+    first = _snapshot(600)
+    statefile.encode(first, _ports(first), encoder)
+    # 100 gone, 3 new ones (named to sort among the others), a proxy port moved.
+    services = {
+        n: i for n, i in first.services.items() if n.name not in {f"s{k}" for k in range(100)}
+    }
+    endpoints = {n: first.endpoints_of(n) for n in services}
+    for extra in ("s3a", "s55x", "zz"):
+        name = ServicePortName("default", extra, "http")
+        services[name] = ServicePortInfo(name, 80, ("10.96.9.9",))
+        endpoints[name] = (Endpoint("10.244.1.6", 8080),)
+    second = replace(
+        first, services=MappingProxyType(services), endpoints=MappingProxyType(endpoints)
+    )
+    ports = _ports(second)
+    ports[("default/s300:http", "TCP", "cluster")] = 50000
+    kept = statefile.encode(second, ports, encoder)
+    assert kept == statefile.encode(second, ports)
+    decoded, decoded_ports = statefile.decode(kept, node_name="node-1")
+    assert dict(decoded.services) == services and decoded_ports == ports
+    assert len(encoder.entries) == len(services)
+
+
+def test_the_encoder_yields_every_step_of_entries_and_proxy_port_lines() -> None:
+    snapshot = _snapshot(3000)
+    steps = statefile.Encoder().steps(snapshot, _ports(snapshot))
+    yields = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration:
+            break
+        yields += 1
+    assert yields >= 2 * 3000 // statefile.STEP
+
+
+def test_a_sliced_encode_gives_the_loop_turns_and_the_same_document() -> None:
+    snapshot = _snapshot(3000)
+    ports = _ports(snapshot)
+    turns = 0
+
+    async def run() -> bytes:
+        nonlocal turns
+        done = False
+
+        async def count_turns() -> None:
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        counter = asyncio.create_task(count_turns())
+        await asyncio.sleep(0)
+        turns = 0
+        started = time.perf_counter()
+        data = await statefile.encode_sliced(statefile.Encoder(), snapshot, ports)
+        took = time.perf_counter() - started
+        done = True
+        await counter
+        if took > 3 * statefile.SLICE_SECONDS:
+            assert turns >= 1
+        return data
+
+    assert asyncio.run(run()) == statefile.encode(snapshot, ports)
