@@ -415,7 +415,8 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
     if args.stallwatch:
         watch = [sys.executable, str(ROOT / "benchmarks" / "stallwatch.py")]
         out = Path(args.stallwatch) / f"stalls-{n}x{per}.json"
-        command = [*watch, str(out), "--", *command[1:]]
+        extra = os.environ.get("STALLWATCH_ARGS", "").split()
+        command = [*watch, *extra, str(out), "--", *command[1:]]
     started = time.monotonic()
     proc = subprocess.Popen(  # noqa: ASYNC220
         command, stdout=log, stderr=subprocess.STDOUT, env=compiled_env()

@@ -54,7 +54,14 @@ class Watchdog:
         self.gc_passes: collections.deque[tuple[float, float, int, int]] = collections.deque(
             maxlen=20_000
         )
-        self._gc_began = 0.0
+        self._gc_began = self._gc_cpu = 0.0
+        self.census = False
+        self.gc_log: collections.deque[tuple[float, int, float, float]] = collections.deque(
+            maxlen=100_000
+        )
+        self.young: collections.deque[tuple[float, int, int, list[tuple[str, int]]]] = (
+            collections.deque(maxlen=60)
+        )
         self.ticks = 0
         self.lateness: list[float] = []
         self._lock = threading.Lock()
@@ -72,10 +79,27 @@ class Watchdog:
         if threading.get_ident() != self.loop_thread:
             return
         if phase == "start":
+            if self.census and info["generation"] >= 1:
+                # What the young generations hold (diagnosis: costs a pass of its own).
+                kinds = collections.Counter(type(o).__name__ for o in gc.get_objects(1))
+                kinds.update(type(o).__name__ for o in gc.get_objects(0))
+                if info["generation"] == 2:
+                    kinds.update("old:" + type(o).__name__ for o in gc.get_objects(2))
+                self.young.append(
+                    (time.time(), info["generation"], sum(kinds.values()), kinds.most_common(8))
+                )
+            self._gc_cpu = time.thread_time()
             self._gc_began = time.perf_counter()
         else:
-            self.gc_passes.append(
-                (self._gc_began, time.perf_counter(), info["generation"], info["collected"])
+            now = time.perf_counter()
+            self.gc_passes.append((self._gc_began, now, info["generation"], info["collected"]))
+            self.gc_log.append(
+                (
+                    time.time(),
+                    info["generation"],
+                    round(1e3 * (now - self._gc_began), 3),
+                    round(1e3 * (time.thread_time() - self._gc_cpu), 3),
+                )
             )
 
     # ---- the watchdog thread -----------------------------------------------------------
@@ -136,6 +160,9 @@ class Watchdog:
                 "ticks": self.ticks,
                 "lateness_p99_ms": 1e3 * late[int(0.99 * (len(late) - 1))] if late else None,
                 "stalls": self.stalls,
+                "young": list(self.young),
+                "gc_passes": list(self.gc_log),
+                "gc_threshold": gc.get_threshold(),
             }
         tmp = self.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(report))
@@ -146,10 +173,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--threshold-ms", type=float, default=8.0)
+    parser.add_argument("--gc-census", action="store_true", help="count the young objects")
+    parser.add_argument("--gc-threshold", help="gc.set_threshold before the proxy starts: A,B,C")
     parser.add_argument("proxy_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     proxy_args = args.proxy_args[1:] if args.proxy_args[:1] == ["--"] else args.proxy_args
     dog = Watchdog(args.out, args.threshold_ms / 1e3)
+    dog.census = args.gc_census
+    if args.gc_threshold:
+        gc.set_threshold(*(int(x) for x in args.gc_threshold.split(",")))
     gc.callbacks.append(dog.on_gc)
     make_loop = uvloop.new_event_loop
 

@@ -349,6 +349,8 @@ class ClusterState:
             return 0
         if old is not None and old.service != parsed.service:
             self._remove("EndpointSlice", key)
+        elif old is not None:
+            parsed = _reusing(parsed, old)
         self._slices[key] = parsed
         self._slices_of.setdefault(parsed.service, set()).add(key)
         self._dirty.add(parsed.service)
@@ -358,10 +360,16 @@ class ClusterState:
         return 1
 
     def _rebuild(self, key: Key) -> None:
-        """Recompute the Snapshot entries of one Service from its object and its slices."""
+        """Recompute the Snapshot entries of one Service from its object and its slices.
+
+        Endpoints equal to ones it had are those same objects (and an unchanged list the same
+        tuple): in an endpoint storm only what moved is new, so the garbage collector's passes
+        have that much less long-lived state to walk.
+        """
+        previous: dict[ServicePortName, tuple[Endpoint, ...]] = {}
         for stale in self._built.pop(key, ()):
             self._snap_services.pop(stale, None)
-            self._snap_endpoints.pop(stale, None)
+            previous[stale] = self._snap_endpoints.pop(stale, ())
             self._touched.add(stale)
         infos = self._services.get(key)
         if not infos:
@@ -386,10 +394,24 @@ class ClusterState:
         for info in infos:
             self._touched.add(info.name)
             self._snap_services[info.name] = info
-            self._snap_endpoints[info.name] = tuple(
-                merged[info.name][address] for address in sorted(merged[info.name])
+            before = previous.get(info.name, ())
+            known = {e: e for e in before}
+            endpoints = tuple(
+                known.get(e, e)
+                for e in (merged[info.name][address] for address in sorted(merged[info.name]))
             )
+            self._snap_endpoints[info.name] = before if endpoints == before else endpoints
         self._built[key] = tuple(info.name for info in infos)
+
+
+def _reusing(parsed: Slice, old: Slice) -> Slice:
+    """`parsed` with the endpoint objects (and ports) of `old` that are equal to its own."""
+    known = {e: e for e in old.endpoints}
+    return Slice(
+        parsed.service,
+        old.ports if old.ports == parsed.ports else parsed.ports,
+        tuple(known.get(e, e) for e in parsed.endpoints),
+    )
 
 
 def _name_of(node: Mapping[str, Any] | None) -> str:

@@ -897,3 +897,34 @@ def test_changes_carry_the_trigger_times_and_counts_like_a_snapshot() -> None:
     delta = state.changes()
     assert delta.endpoint_changes == 1 and len(delta.trigger_times) == 1
     assert state.changes().trigger_times == ()
+
+
+def test_an_endpoint_move_keeps_the_objects_of_the_endpoints_that_stay() -> None:
+    state = ClusterState()
+    state.replace("Service", [service()])
+    ips = ["10.244.1.5", "10.244.1.6", "10.244.1.7"]
+    state.replace("EndpointSlice", [endpoint_slice(endpoints=[endpoint(ip) for ip in ips])])
+    before = state.snapshot().endpoints[HTTP]
+    moved = [*ips[:2], "10.244.1.9"]
+    state.apply(
+        "EndpointSlice", "MODIFIED", endpoint_slice(endpoints=[endpoint(ip) for ip in moved])
+    )
+    after = state.changes().endpoints[HTTP]
+    assert [e.ip for e in after] == moved
+    assert after[0] is before[0] and after[1] is before[1]  # the same objects, not copies
+    assert after[2] == Endpoint("10.244.1.9", 8080)
+
+
+def test_a_slice_change_that_leaves_the_endpoints_as_they_were_keeps_their_tuple() -> None:
+    state = ClusterState()
+    state.replace("Service", [service()])
+    state.replace("EndpointSlice", [endpoint_slice(endpoints=[endpoint("10.244.1.5")])])
+    before = state.snapshot().endpoints[HTTP]
+    # Another slice of the Service comes with an endpoint the first one has already.
+    state.apply(
+        "EndpointSlice",
+        "ADDED",
+        endpoint_slice("web-def", endpoints=[endpoint("10.244.1.5")]),
+    )
+    changes = state.changes()
+    assert HTTP in (changes.changed or ()) and changes.endpoints[HTTP] is before
