@@ -66,20 +66,25 @@ class Encoder:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[ServicePortName, tuple[ServicePortInfo, tuple[Endpoint, ...], str]] = {}
+        # Each piece is kept as the bytes written, after a comma: the document is written a
+        # piece at a time, never joined into one string of megabytes (whose freed memory
+        # the allocator keeps; one save a few times over would add tens of MB to the RSS).
+        self._entries: dict[
+            ServicePortName, tuple[ServicePortInfo, tuple[Endpoint, ...], bytes]
+        ] = {}
         self._order: list[ServicePortName] = []
-        self._lines: dict[tuple[tuple[str, str, str], int], str] = {}
+        self._lines: dict[tuple[tuple[str, str, str], int], bytes] = {}
         self._port_order: list[tuple[str, str, str]] = []
 
     @property
-    def entries(self) -> dict[ServicePortName, str]:
-        """Each service port's encoded entry as of the last encode (a copy)."""
-        return {name: text for name, (_, _, text) in self._entries.items()}
+    def entries(self) -> dict[ServicePortName, bytes]:
+        """Each service port's encoded entry as of the last encode (a copy of the mapping)."""
+        return {name: piece for name, (_, _, piece) in self._entries.items()}
 
-    def steps(self, snapshot: Snapshot, ports: Ports) -> Generator[None, None, bytes]:
+    def steps(self, snapshot: Snapshot, ports: Ports) -> Generator[None, None, list[bytes]]:
         """Encode `snapshot` and `ports`, yielding after every STEP items or single large
         step (so that an event loop gets turns in between); the generator returns the
-        document."""
+        document as pieces to write one after the other."""
         entries = self._entries
         services = snapshot.services
         reorder = False
@@ -88,7 +93,7 @@ class Encoder:
             known = entries.get(name)
             if known is None or known[0] is not info or known[1] is not endpoints:
                 reorder = reorder or known is None
-                entries[name] = (info, endpoints, _entry(name, info, endpoints))
+                entries[name] = (info, endpoints, b"," + _entry(name, info, endpoints).encode())
             if count % STEP == 0:
                 yield
         if len(entries) != len(services):
@@ -97,28 +102,8 @@ class Encoder:
             reorder = True
             yield
         if reorder:
-            # By the encoded text, which begins with the name: a file that does not churn.
+            # By the encoded entry, which begins with the name: a file that does not churn.
             self._order = sorted(entries, key=lambda n: entries[n][2])
-            yield
-        body = ",".join([entries[n][2] for n in self._order])
-        yield
-        if len(ports) != len(self._port_order) or any(k not in ports for k in self._port_order):
-            self._port_order = sorted(ports)
-            yield
-        lines = self._lines
-        fresh: list[str] = []
-        for count, key in enumerate(self._port_order, 1):
-            port = ports[key]
-            line = lines.get((key, port))
-            if line is None:
-                line = lines[(key, port)] = _dumps([*key, port])
-            fresh.append(line)
-            if count % STEP == 0:
-                yield
-        if len(lines) > len(fresh):  # drop the lines of ports gone or moved
-            kept = {(key, ports[key]) for key in self._port_order}
-            for stale in [item for item in lines if item not in kept]:
-                del lines[stale]
             yield
         head = _dumps(
             {
@@ -128,9 +113,33 @@ class Encoder:
                 "nodeIPs": list(snapshot.node_ips),
             }
         )
-        text = f'{head[:-1]},"servicePorts":[{body}],"proxyPorts":[{",".join(fresh)}]}}'
+        pieces = [f'{head[:-1]},"servicePorts":['.encode()]
+        pieces += [entries[n][2] for n in self._order]
         yield
-        return text.encode()
+        if len(ports) != len(self._port_order) or any(k not in ports for k in self._port_order):
+            self._port_order = sorted(ports)
+            yield
+        pieces.append(b'],"proxyPorts":[')
+        lines = self._lines
+        for count, key in enumerate(self._port_order, 1):
+            port = ports[key]
+            line = lines.get((key, port))
+            if line is None:
+                line = lines[(key, port)] = b"," + _dumps([*key, port]).encode()
+            pieces.append(line)
+            if count % STEP == 0:
+                yield
+        if len(lines) > len(self._port_order):  # drop the lines of ports gone or moved
+            kept = {(key, ports[key]) for key in self._port_order}
+            for stale in [item for item in lines if item not in kept]:
+                del lines[stale]
+            yield
+        pieces.append(b"]}")
+        # The first entry and the first line have no comma before them.
+        for at in (1, len(self._order) + 2):
+            if pieces[at - 1].endswith(b"[") and pieces[at].startswith(b","):
+                pieces[at] = pieces[at][1:]
+        return pieces
 
 
 def _entry(name: ServicePortName, info: ServicePortInfo, endpoints: tuple[Endpoint, ...]) -> str:
@@ -156,11 +165,12 @@ def encode(snapshot: Snapshot, ports: Ports, encoder: Encoder | None = None) -> 
         try:
             next(steps)
         except StopIteration as done:
-            return cast(bytes, done.value)
+            return b"".join(cast(list[bytes], done.value))
 
 
-async def encode_sliced(encoder: Encoder, snapshot: Snapshot, ports: Ports) -> bytes:
-    """`encode` on the event loop, giving it a turn after every SLICE_SECONDS of work.
+async def encode_sliced(encoder: Encoder, snapshot: Snapshot, ports: Ports) -> list[bytes]:
+    """`encode` on the event loop, giving it a turn after every SLICE_SECONDS of work; the
+    document as pieces (for `write`).
 
     Not in a thread: a thread running Python code holds the GIL for up to the switch
     interval (5 ms) each time the loop's thread wants it back, and the loop wants it after
@@ -173,7 +183,7 @@ async def encode_sliced(encoder: Encoder, snapshot: Snapshot, ports: Ports) -> b
         try:
             next(steps)
         except StopIteration as done:
-            return cast(bytes, done.value)
+            return cast(list[bytes], done.value)
         if time.perf_counter() - turn > SLICE_SECONDS:
             await asyncio.sleep(0)
             turn = time.perf_counter()
@@ -252,15 +262,19 @@ def save(directory: str, snapshot: Snapshot, ports: Ports) -> None:
     write(directory, encode(snapshot, ports))
 
 
-def write(directory: str, data: bytes) -> None:
-    """Write an encoded state atomically into `directory` (created if missing); blocking
-    (file I/O: a thread that runs it leaves the GIL to the event loop)."""
+def write(directory: str, data: bytes | list[bytes]) -> None:
+    """Write an encoded state (whole, or the pieces of `encode_sliced`) atomically into
+    `directory` (created if missing); blocking (file I/O: a thread that runs it leaves the
+    GIL to the event loop)."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{FILE_NAME}.")
     try:
         with os.fdopen(fd, "wb") as out:
-            out.write(data)
+            if isinstance(data, bytes):
+                out.write(data)
+            else:
+                out.writelines(data)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path / FILE_NAME)

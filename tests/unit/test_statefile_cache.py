@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
+from pathlib import Path
 from types import MappingProxyType
 
 from kube_userspace_proxy import statefile
@@ -85,12 +86,24 @@ def test_the_encoder_yields_every_step_of_entries_and_proxy_port_lines() -> None
     assert yields >= 2 * 3000 // statefile.STEP
 
 
+def test_the_pieces_written_make_the_document(tmp_path: Path) -> None:
+    for count in (0, 1, 700):
+        snapshot = _snapshot(count)
+        ports = _ports(snapshot)
+        pieces = asyncio.run(statefile.encode_sliced(statefile.Encoder(), snapshot, ports))
+        statefile.write(str(tmp_path), pieces)
+        assert statefile.path(str(tmp_path)).read_bytes() == statefile.encode(snapshot, ports)
+        loaded = statefile.load(str(tmp_path), node_name="node-1")
+        assert loaded is not None and dict(loaded[0].services) == dict(snapshot.services)
+        assert loaded[1] == ports
+
+
 def test_a_sliced_encode_gives_the_loop_turns_and_the_same_document() -> None:
     snapshot = _snapshot(3000)
     ports = _ports(snapshot)
     turns = 0
 
-    async def run() -> bytes:
+    async def run() -> list[bytes]:
         nonlocal turns
         done = False
 
@@ -112,4 +125,4 @@ def test_a_sliced_encode_gives_the_loop_turns_and_the_same_document() -> None:
             assert turns >= 1
         return data
 
-    assert asyncio.run(run()) == statefile.encode(snapshot, ports)
+    assert b"".join(asyncio.run(run())) == statefile.encode(snapshot, ports)
