@@ -18,6 +18,7 @@ import os
 import tempfile
 import time
 from collections.abc import Generator
+from operator import itemgetter
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, cast
@@ -96,14 +97,28 @@ class Encoder:
                 entries[name] = (info, endpoints, b"," + _entry(name, info, endpoints).encode())
             if count % STEP == 0:
                 yield
+        # Every step below that looks names up (a Python-level hash each) goes STEP names at
+        # a time: 10,000 lookups in one step held the loop for 10-20 ms.
         if len(entries) != len(services):
-            for name in [n for n in entries if n not in services]:
+            gone = []
+            for count, name in enumerate(entries, 1):
+                if name not in services:
+                    gone.append(name)
+                if count % STEP == 0:
+                    yield
+            for name in gone:
                 del entries[name]
             reorder = True
-            yield
         if reorder:
             # By the encoded entry, which begins with the name: a file that does not churn.
-            self._order = sorted(entries, key=lambda n: entries[n][2])
+            keyed = []
+            for count, (name, (_, _, piece)) in enumerate(entries.items(), 1):
+                keyed.append((piece, name))
+                if count % STEP == 0:
+                    yield
+            keyed.sort(key=itemgetter(0))
+            yield
+            self._order = [name for _, name in keyed]
             yield
         head = _dumps(
             {
@@ -114,8 +129,10 @@ class Encoder:
             }
         )
         pieces = [f'{head[:-1]},"servicePorts":['.encode()]
-        pieces += [entries[n][2] for n in self._order]
-        yield
+        for count, name in enumerate(self._order, 1):
+            pieces.append(entries[name][2])
+            if count % STEP == 0:
+                yield
         if len(ports) != len(self._port_order) or any(k not in ports for k in self._port_order):
             self._port_order = sorted(ports)
             yield
