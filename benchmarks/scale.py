@@ -800,10 +800,9 @@ def startup_only(args: argparse.Namespace) -> int:
         + startup_table(results)
         + "\n"
     )
-    (RESULTS / "scale-startup.md").write_text(text)
-    (RESULTS / "scale-startup.json").write_text(
-        json.dumps({"meta": meta, "results": results}, indent=2)
-    )
+    stem = f"scale-startup-workers-{args.workers}"
+    (RESULTS / f"{stem}.md").write_text(text)
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(text)
     return 0
 
@@ -822,7 +821,8 @@ def main() -> int:
     parser.add_argument(
         "--startup-only",
         action="store_true",
-        help="measure only the start (until all ClusterIPs answer); writes scale-startup.*",
+        help="measure only the start (until all ClusterIPs answer); writes"
+        " scale-startup-workers-N.*",
     )
     parser.add_argument(
         "--baseline",
