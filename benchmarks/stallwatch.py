@@ -1,6 +1,7 @@
 """Run the proxy with a loop-stall watchdog: what held its event loop, each time it was late.
 
-    .venv/bin/python benchmarks/stallwatch.py OUT.json [--threshold-ms 8] -- run --kubeconfig ...
+    .venv/bin/python benchmarks/stallwatch.py [--threshold-ms 8] [--gc-census]
+        [--gc-threshold A,B,C] OUT.json -- run --kubeconfig ...
 
 The arguments after `--` are the proxy's own (`kube-userspace-proxy ...`). A 1 ms ticker on
 the proxy's event loop stamps the time of each wake-up; a thread of its own checks that stamp
@@ -9,8 +10,12 @@ thread's Python stack (`sys._current_frames`). When the ticker wakes again the s
 recorded: when it began (wall clock), how long it held, the garbage-collector passes inside it
 (timestamped by a `gc.callbacks` hook, with their generation), and its stacks, collapsed
 (`outer;...;inner count`). The sampler needs the GIL, so a stall in one C call (a sort, an
-encode) shows the Python line that made the call. OUT.json is written at exit (SIGTERM
-included: the proxy shuts down gracefully) and every 5 s meanwhile.
+encode) shows the Python line that made the call. Every collector pass is logged with its
+generation, wall time and CPU; `--gc-census` also counts the young generations' objects by
+type before each middle or full pass (and the old one's before a full pass: a diagnosis
+that costs a pass of its own); `--gc-threshold` replaces the thresholds the proxy sets as
+it starts (`app.GC_THRESHOLDS`), to compare them. OUT.json is
+written at exit (SIGTERM included: the proxy shuts down gracefully) and every 5 s meanwhile.
 
 Only for benchmarks: the proxy runs as usual, with the ticker's small cost on its loop.
 """
@@ -181,7 +186,10 @@ def main() -> int:
     dog = Watchdog(args.out, args.threshold_ms / 1e3)
     dog.census = args.gc_census
     if args.gc_threshold:
-        gc.set_threshold(*(int(x) for x in args.gc_threshold.split(",")))
+        from kube_userspace_proxy import app
+
+        # The proxy sets app.GC_THRESHOLDS as it starts: this run's instead.
+        app.GC_THRESHOLDS = tuple(int(x) for x in args.gc_threshold.split(","))
     gc.callbacks.append(dog.on_gc)
     make_loop = uvloop.new_event_loop
 
