@@ -13,8 +13,8 @@ recorded: when it began (wall clock), how long it held, the garbage-collector pa
 encode) shows the Python line that made the call. Every collector pass is logged with its
 generation, wall time and CPU; `--gc-census` also counts the young generations' objects by
 type before each middle or full pass (and the old one's before a full pass: a diagnosis
-that costs a pass of its own); `--gc-threshold` replaces the thresholds the proxy sets as
-it starts (`app.GC_THRESHOLDS`), to compare them. OUT.json is
+that costs a pass of its own); `--gc-threshold` sets `gc.set_threshold` before the proxy
+starts, to compare thresholds. OUT.json is
 written at exit (SIGTERM included: the proxy shuts down gracefully) and every 5 s meanwhile.
 
 Only for benchmarks: the proxy runs as usual, with the ticker's small cost on its loop.
@@ -186,10 +186,7 @@ def main() -> int:
     dog = Watchdog(args.out, args.threshold_ms / 1e3)
     dog.census = args.gc_census
     if args.gc_threshold:
-        from kube_userspace_proxy import app
-
-        # The proxy sets app.GC_THRESHOLDS as it starts: this run's instead.
-        app.GC_THRESHOLDS = tuple(int(x) for x in args.gc_threshold.split(","))
+        gc.set_threshold(*(int(x) for x in args.gc_threshold.split(",")))
     gc.callbacks.append(dog.on_gc)
     make_loop = uvloop.new_event_loop
 

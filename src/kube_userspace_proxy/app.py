@@ -49,18 +49,6 @@ T = TypeVar("T")
 STATE_FILE_INTERVAL = 5.0
 """Seconds between two writes of the state file while changes keep coming."""
 
-GC_THRESHOLDS = (700, 3, 100)
-"""The control process's `gc.set_threshold` (Python's default: 700, 10, 10).
-
-An endpoint storm replaces long-lived state (slices, endpoints, pools) a thousand times a
-second, and what it creates survives the young passes into the old generation, which a full
-pass then walks whole: measured at 10,000 service ports (`benchmarks/stallwatch.py`), one
-full pass of 70-100 ms of CPU every ~10 s of storm, and middle passes of up to 15 ms. A middle
-pass every 3 young ones (not 10) keeps each one smaller; a full pass every 100 middle ones
-(300 young passes, not 100) makes them three times rarer. Garbage in reference cycles that
-reached the old generation waits that much longer to be freed.
-"""
-
 
 def raise_nofile_limit() -> int:
     """Raise RLIMIT_NOFILE's soft limit to the hard limit (each proxied connection needs two)."""
@@ -589,7 +577,6 @@ async def serve(
 ) -> int:
     """Run the proxy until SIGTERM/SIGINT (or `stop`), then shut down gracefully; exit code."""
     limit = raise_nofile_limit()
-    gc.set_threshold(*GC_THRESHOLDS)
     log.info(
         "kube-userspace-proxy starting (userspace mode, %d worker process(es), RLIMIT_NOFILE=%d)",
         config.worker_count if config.worker_count > 1 else 0,

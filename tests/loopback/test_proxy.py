@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -13,7 +12,6 @@ from typing import cast
 import aiohttp
 import pytest
 
-from kube_userspace_proxy import app
 from kube_userspace_proxy.metrics import sample_value
 from kube_userspace_proxy.model import Protocol, ServicePortName
 from tests.loopback.proxyrun import (
@@ -214,19 +212,3 @@ async def test_a_removed_service_lets_open_connections_finish_until_shutdown_gra
     finally:
         echo.close()
         await echo.wait_closed()
-
-
-async def test_the_running_proxy_collects_garbage_with_its_own_thresholds(
-    tmp_path: Path, backends: Backends
-) -> None:
-    started = await backends("pod-a")
-    manifest = tmp_path / "svc.yaml"
-    write_manifests(manifest, _web(started))
-    before = gc.get_threshold()
-    gc.set_threshold(700, 10, 10)  # Python's default (an earlier test's proxy set its own)
-    try:
-        async with running_proxy(loopback_config(manifest)) as proxy:
-            assert await ask(proxy.proxier.port_of(WEB)) == "pod-a"
-            assert gc.get_threshold() == app.GC_THRESHOLDS != (700, 10, 10)
-    finally:
-        gc.set_threshold(*before)
