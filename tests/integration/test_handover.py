@@ -80,17 +80,28 @@ LOAD = textwrap.dedent(
                 kind = "other"; errors.append(repr(exc))
             with lock:
                 counts[kind] += 1
+    lost = []
     def udp():
         while not done():
             counts["udp_sent"] += 1
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
                 u.settimeout(3)
+                sent = time.monotonic()
                 try:
                     u.sendto(b"u", (udp_host, 53))
                     if u.recv(1024).endswith(b":u"):
                         counts["udp_answered"] += 1
                 except OSError as exc:
                     errors.append("udp " + repr(exc))
+                    late = None
+                    if isinstance(exc, TimeoutError):
+                        u.settimeout(5)
+                        try:
+                            u.recv(1024); late = time.monotonic() - sent
+                        except OSError:
+                            pass
+                    lost.append({"sent": sent, "sport": u.getsockname()[1], "late": late,
+                                 "n": counts["udp_sent"]})
             time.sleep(0.02)
     threads = [threading.Thread(target=tcp) for _ in range(4)] + [threading.Thread(target=udp)]
     for t in threads:
@@ -98,7 +109,7 @@ LOAD = textwrap.dedent(
     print("started", flush=True)
     for t in threads:
         t.join()
-    print(json.dumps({"counts": counts, "errors": errors[:20]}), flush=True)
+    print(json.dumps({"counts": counts, "errors": errors[:20], "lost": lost}), flush=True)
     """
 )
 
@@ -188,6 +199,7 @@ def test_five_restarts_refuse_and_reset_nothing(
     held: list[subprocess.Popen[str]] = []
     load = None
     stop_file = tmp_path / "stop-load"
+    events: list[tuple[float, str]] = []
 
     def start(run: int) -> Proxy:
         proxy = Proxy(topology, "restore", manifest, tmp_path / f"proxy{run}.log", flags)
@@ -196,6 +208,7 @@ def test_five_restarts_refuse_and_reset_nothing(
         return proxy
 
     try:
+        events.append((time.monotonic(), "start 0"))
         current = start(0)
         current.wait_rules(f"{WEB}/32", f"{DNS}/32")
         _wait_log(current, "a new proxy process can take over")
@@ -209,14 +222,17 @@ def test_five_restarts_refuse_and_reset_nothing(
             assert keep.stdout is not None and keep.stdin is not None
             assert keep.stdout.readline().strip().endswith(":before")
             time.sleep(0.5)  # let the load run against this process for a while
+            events.append((time.monotonic(), f"start {run}"))
             old, current = current, start(run)
             _wait_log(old, "handed over: no new connections here")
+            events.append((time.monotonic(), f"handed over {run} (seen)"))
             keep.stdin.write("go\n")
             keep.stdin.flush()
             # The held connection belongs to the old process, which is draining it.
             assert keep.stdout.readline().strip().endswith(":after"), f"restart {run}"
             assert keep.wait(10) == 0
             assert old.proc is not None and old.proc.wait(30) == 0, old.log.read_text()[-3000:]
+            events.append((time.monotonic(), f"old exited {run}"))
             _wait_log(current, "a new proxy process can take over")
             text = current.log.read_text()
             assert "taking over from the running proxy" in text
@@ -226,6 +242,14 @@ def test_five_restarts_refuse_and_reset_nothing(
         out, _ = load.communicate(timeout=60)
         result = json.loads(out.strip().splitlines()[-1])
         counts = result["counts"]
+        # Each unanswered datagram: when it was sent against the nearest restart step, and
+        # whether an answer came later (after the 3 s) at all; then the kernel's UDP drops.
+        for lost in result["lost"]:
+            near = min(events, key=lambda e: abs(e[0] - lost["sent"]))
+            print(f"unanswered {lost}: {lost['sent'] - near[0]:+.3f} s from {near[1]}")
+        if result["lost"]:
+            for ns in (topology.node, topology.client):
+                print(ns.name, ns.run("nstat", "-az", "Udp*", check=False))
         print(f"workers={workers}: {counts}")  # shown with -s: the figures in the README
         assert counts["refused"] == 0, result
         assert counts["reset"] == 0, result

@@ -350,8 +350,10 @@ class UdpListener:
             # The transport closes its descriptor: replies leave through a duplicate.
             self._replies = _Replies(socket.socket(fileno=os.dup(self.fileno())))
             self._replies.sock.setblocking(False)
-        await self._close_port()
+        # Before the transport closes: from close() on it drops what it is given (uvloop and
+        # asyncio alike), and a reply read before its connection_lost was lost.
         self.transport = self._replies
+        await self._close_port()
 
     def fileno(self) -> int:
         """The descriptor of the service port (to hand it over); -1 once closed."""
