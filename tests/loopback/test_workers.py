@@ -471,6 +471,14 @@ async def test_reports_come_in_parts_and_are_summed_whole(
     assert all(count >= 2 for count in per_report.values())
 
 
+async def _workers_serving(proxy: app.Proxy, count: int) -> workerpool.WorkerPool:
+    """The proxy's worker pool, once every worker is up and `count` service ports are served."""
+    pool = proxy.workers
+    assert pool is not None
+    await wait_for(lambda: pool.alive == WORKERS and proxy.proxier.served_count == count)
+    return pool
+
+
 def _many(count: int, ports: Sequence[int], moved: dict[int, int] | None = None) -> list[Any]:
     """`count` Services `s0`.. each with one endpoint (`moved`: Service -> another port)."""
     objects: list[Any] = []
@@ -488,9 +496,7 @@ async def test_an_endpoint_move_publishes_only_the_changed_port_to_the_workers(
     manifest = tmp_path / "svc.yaml"
     write_manifests(manifest, _many(20, ports))
     async with running_proxy(loopback_config(manifest, workers=str(WORKERS))) as proxy:
-        pool = proxy.workers
-        assert pool is not None
-        await wait_for(lambda: pool.alive == WORKERS and proxy.proxier.served_count == 20)
+        pool = await _workers_serving(proxy, 20)
         s5 = ServicePortName("default", "s5", "http", Protocol.TCP)
         port = proxy.proxier.port_of(s5)
         assert await ask_from(CLIENTS[0], port) == "c"  # s5: ports[5 % 3]
@@ -517,9 +523,7 @@ async def test_a_restarted_worker_gets_the_full_current_table(
     manifest = tmp_path / "svc.yaml"
     write_manifests(manifest, _many(12, ports))
     async with running_proxy(loopback_config(manifest, workers=str(WORKERS))) as proxy:
-        pool = proxy.workers
-        assert pool is not None
-        await wait_for(lambda: pool.alive == WORKERS and proxy.proxier.served_count == 12)
+        pool = await _workers_serving(proxy, 12)
         # A change the workers got as a delta, before the restart.
         names = [ServicePortName("default", f"s{i}", "http", Protocol.TCP) for i in range(12)]
         deltas = pool.deltas
@@ -552,9 +556,8 @@ async def test_ports_a_worker_could_not_open_are_sent_again_until_they_serve(
     manifest = tmp_path / "svc.yaml"
     write_manifests(manifest, _many(4, ports))
     async with running_proxy(loopback_config(manifest, workers=str(WORKERS))) as proxy:
-        pool = proxy.workers
-        assert pool is not None and proxy.ops is not None
-        await wait_for(lambda: pool.alive == WORKERS and proxy.proxier.served_count == 4)
+        pool = await _workers_serving(proxy, 4)
+        assert proxy.ops is not None
         victim = 1
         pid = pool.pids()[victim]
         _, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
@@ -612,9 +615,7 @@ async def test_a_big_delta_goes_to_the_workers_in_parts_each_port_joined_in_orde
     manifest = tmp_path / "svc.yaml"
     write_manifests(manifest, objects)
     async with running_proxy(loopback_config(manifest, workers=str(WORKERS))) as proxy:
-        pool = proxy.workers
-        assert pool is not None
-        await wait_for(lambda: pool.alive == WORKERS and proxy.proxier.served_count == 8)
+        pool = await _workers_serving(proxy, 8)
         # Worker 1 got each part after worker 0 had applied it: every group in that order.
         groups = pool.groups()
         assert len(groups) == 8 and all(m == [0, 1] for m in groups.values()), groups
