@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import hashlib
 import logging
 import os
@@ -715,3 +716,55 @@ async def test_a_pinned_reservation_is_served_as_it_is_and_keeps_its_port(
     finally:
         await listener.close()
         await listener.drain(1.0)
+
+
+@BOTH_LOOPS
+async def test_finished_connections_are_freed_without_the_cyclic_collector(
+    tcp_backends: Backends, tcp_listener: Listeners, round_robin: Any, eventually: Eventually
+) -> None:
+    """Each side of a proxied connection refers to the other; once both are closed nothing
+    may be left for the cyclic collector (whose passes over thousands of dead connections
+    stall the loop): every ending (client closes, backend resets, client resets) frees both
+    sides by reference counting alone."""
+    backend = await tcp_backends("name", "a")
+    listener = await tcp_listener(round_robin(backend.address), keepalive=0)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.setblocking(False)
+    resetting = await tcp_listener(round_robin(server.getsockname()), keepalive=0)
+    loop = asyncio.get_running_loop()
+    linger = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # SO_LINGER on, 0 s: close() sends RST
+
+    def alive() -> int:
+        names = {"Connection", "BackendSide"}
+        return sum(1 for o in gc.get_objects() if type(o).__name__ in names)
+
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(20):
+            assert await ask_name(listener.port) == "a"
+        for by_client in (False, True) * 5:
+            reader, writer = await asyncio.open_connection("127.0.0.1", resetting.port)
+            conn, _ = await asyncio.wait_for(loop.sock_accept(server), 5)
+            if by_client:
+                writer.transport.get_extra_info("socket").setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, linger
+                )
+                writer.transport.abort()
+            else:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+            conn.close()
+            with contextlib.suppress(ConnectionError):
+                await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+        await eventually(
+            lambda: listener.active_connections == resetting.active_connections == 0,
+            what="connections gone",
+        )
+        await asyncio.sleep(0.05)  # the transports' last callbacks
+        assert alive() == 0
+    finally:
+        gc.enable()
+        server.close()

@@ -313,6 +313,10 @@ class Connection(asyncio.Protocol):
                     _reset(b.transport)
         if self.pump_in is not None or self.fds is not None:
             self._stop_pumps()
+        # The two sides refer to each other: let go of the backend side, so a finished
+        # connection is freed by reference counting, not left (with both transports) for
+        # the cyclic collector, whose passes over thousands of them stall the loop.
+        self.backend = None
         if not conns and shared.idle is not None and not shared.idle.done():
             shared.idle.set_result(None)
 
