@@ -5,7 +5,8 @@ REDIRECT rules (one per service port, as the portal chains held them before the 
 as many again are spread over 256 shard chains behind an entry chain (as they are held now).
 Then each kind of one-change input is timed (`--repeat` runs, median): an append to the big
 chain, a delete by text and by number in it, a delete and an append in a shard, an append to a
-shard, a flush of / an append to a small chain, and adding and removing a chain with its jump.
+shard, an insert at a shard's head (`-I CHAIN 1`, how a moved port's new rule shadows the
+old one), a flush of / an append to a small chain, and adding and removing a chain with its jump.
 It shows why the rules live in shards: a delete in the 10,000-rule chain costs hundreds of
 milliseconds (iptables-nft loads the whole chain to find the rule), one in a shard tens.
 
@@ -63,6 +64,9 @@ def inside(rules: int, repeat: int) -> None:
         i = 100 + k * SHARDS
         cases = {
             f"append one rule to the {rules:,}-rule chain": f"-A {rule(rules + k, 1)}",
+            "insert one rule at the head of that chain (`-I CHAIN 1`)": (
+                f"-I {rule(rules + repeat + k, 1).replace(' ', ' 1 ', 1)}"
+            ),
             "`-D` one rule (by its text) and append one, in that chain": (
                 f"-D {rule(i, 20000 + i)}\n-A {rule(i, 40000 + i)}"
             ),
@@ -71,6 +75,13 @@ def inside(rules: int, repeat: int) -> None:
                 f"-D {shard_rule(i, 20000 + i)}\n-A {shard_rule(i, 40000 + i)}"
             ),
             "append one rule to a shard": f"-A {shard_rule(rules + k, 1)}",
+            "insert one rule at the head of a shard (`-I CHAIN 1`)": (
+                f"-I {shard_rule(rules + 2 * repeat + k, 1).replace(' ', ' 1 ', 1)}"
+            ),
+            "`-I` a rule at a shard's head and append one to another shard": (
+                f"-I {shard_rule(rules + 3 * repeat + k, 2).replace(' ', ' 1 ', 1)}\n"
+                f"-A {shard_rule(rules + 4 * repeat + k + 1, 2)}"
+            ),
             "flush a one-rule chain and append to it": (
                 ":KUBE-SMALL - [0:0]\n"
                 f"-A KUBE-SMALL -d 10.97.0.1/32 -p tcp -j REDIRECT --to-ports {k + 2}"

@@ -80,6 +80,15 @@ class _CountingRules:
         finally:
             self._metrics.set_iptables_rules(self._portals.rule_counts())
 
+    def commit_deferred(self) -> None:
+        try:
+            self._portals.commit_deferred()
+        except Exception:
+            self._metrics.restore_failure()
+            raise
+        finally:
+            self._metrics.set_iptables_rules(self._portals.rule_counts())
+
 
 class Proxy:
     """The control process: state -> sync runner -> proxier (-> workers, rules), health, metrics.
@@ -257,8 +266,11 @@ class Proxy:
         self.health.set_node_eligible(self.state.node_eligible)
         return snapshot
 
-    async def _after(self, snapshot: Snapshot) -> None:
-        """What follows each sync and each apply: health servers, metrics, latency, state file."""
+    async def _after(self, snapshot: Snapshot, *, live: float | None = None) -> None:
+        """What follows each sync and each apply: health servers, metrics, latency, state file.
+
+        `live`: when (time.time) a rule commit of this sync made its rules live; changes are
+        measured to then (default: now)."""
         self._freeze_long_lived(self.proxier.served_count)
         await self.service_health.sync(snapshot)
         metrics = self.metrics
@@ -266,7 +278,7 @@ class Proxy:
         metrics.set_over_budget(self.proxier.over_budget())
         metrics.add_changes(snapshot.service_changes, snapshot.endpoint_changes)
         metrics.set_pending(self.state.pending_service_changes, self.state.pending_endpoint_changes)
-        now = time.time()
+        served_at = time.time() if live is None else live
         proxier = self.proxier
         if proxier.rules_pending:
             # Served only once the rules name the new ports: measured at that commit.
@@ -274,13 +286,13 @@ class Proxy:
             self._awaiting_rules.extend((generation, t) for t in snapshot.trigger_times)
         else:
             for trigger in snapshot.trigger_times:
-                metrics.network_programming(max(0.0, now - trigger))
+                metrics.network_programming(max(0.0, served_at - trigger))
         if self._awaiting_rules:
             committed = proxier.committed_generation
             waiting = []
             for generation, trigger in self._awaiting_rules:
                 if generation <= committed:
-                    metrics.network_programming(max(0.0, now - trigger))
+                    metrics.network_programming(max(0.0, served_at - trigger))
                 else:
                     waiting.append((generation, trigger))
             self._awaiting_rules = waiting
@@ -304,9 +316,12 @@ class Proxy:
         started = time.monotonic()
         complete = self.runner.periodic or not self._applied_once
         snapshot = self._snapshot(state.snapshot() if complete else state.changes())
+        commits = self.proxier.rule_applies
         await self.proxier.sync(snapshot, full=self.runner.periodic)
         self._applied_once = True
-        await self._after(snapshot)
+        # A commit went live before its deferred deletes, which the sync waited for too.
+        live = self.proxier.rules_live_at if self.proxier.rule_applies != commits else None
+        await self._after(snapshot, live=live)
         self.first_build.end()
         self.metrics.sync_done(time.monotonic() - started)
         self.health.synced()

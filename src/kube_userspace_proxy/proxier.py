@@ -168,7 +168,14 @@ class RuleSink(TypingProtocol):
     """What the proxier needs of the portals: take the full desired set, apply the difference."""
 
     def apply(self, ports: Sequence[ProxiedPort], node_ips: Sequence[str]) -> None:
-        """Install the rules for `ports`; the node's own traffic is DNATed to `node_ips`."""
+        """Install the rules for `ports`; the node's own traffic is DNATed to `node_ips`.
+
+        Once it returns the rules are live; rules that no longer take packets may remain
+        until `commit_deferred`."""
+        ...
+
+    def commit_deferred(self) -> None:
+        """Delete what the last `apply` left behind (off the latency path); a no-op if none."""
         ...
 
     def claimed_ports(self) -> dict[ClaimKey, int]:
@@ -229,6 +236,9 @@ class Proxier:
         self._commit_lock = asyncio.Lock()
         self.rule_applies = 0
         """Rule sets handed to the portals (a sync that changes no rule target hands none)."""
+        self.rules_live_at = 0.0
+        """When (time.time) the last rule commit made its rules live: before the deletes it
+        deferred (`RuleSink.commit_deferred`), which the same `commit_rules` makes after."""
         self._portals = portals
         self._dataplane = dataplane or LocalDataPlane(udp_idle_timeout=udp_idle_timeout)
         self._node_port_addresses = node_port_addresses or (lambda: (allocator.host,))
@@ -498,7 +508,9 @@ class Proxier:
         """Hand the rule targets to the portals when one changed (or `force`: a periodic check).
 
         The targets are taken between reconciles, so a rule never names a port before its
-        listener serves; reconciles go on while the commit runs (in a thread).
+        listener serves; reconciles go on while the commit runs (in a thread). Once the commit
+        is live (`rules_live_at`) the deletes it deferred follow, and only then are retired
+        ports released: until that second commit, a stale rule may still name them.
         """
         async with self._commit_lock:
             early_done = False
@@ -518,6 +530,8 @@ class Proxier:
                     or node_ips != self._applied_node_ips
                 )
                 targets = self.proxied_ports() if wanted else []
+            if early_done:
+                self.rules_live_at = time.time()
             if early_done and not releasable and (targets, node_ips) == (early_targets, early_ips):
                 wanted = False  # the first commit, made early, named exactly these
                 self._applied_gen = generation
@@ -528,14 +542,31 @@ class Proxier:
                 except BaseException:
                     self._quarantine = releasable + self._quarantine
                     raise
+                # Live now: the network-programming latency ends here, not after the deletes.
+                self.rules_live_at = time.time()
                 self._applied_gen = generation
                 self._applied_node_ips = node_ips
                 self.rule_applies += 1
+                # A retired port is released only once no rule names it, stale ones included.
+                if not await self._commit_deferred():
+                    self._quarantine = releasable + self._quarantine
+                    releasable = []
             for protocol, port in releasable:
                 self._allocator.release(protocol, port)
             if self._claims:
                 # The commit replaced the earlier run's rules: unclaimed ports name nothing now.
                 self._drop_claims()
+
+    async def _commit_deferred(self) -> bool:
+        """The deletes the last apply deferred (in a thread); False if they failed (logged:
+        the next commit deletes those rules, the periodic one at the latest)."""
+        assert self._portals is not None
+        try:
+            await asyncio.to_thread(self._portals.commit_deferred)
+        except Exception as exc:
+            log.warning("deleting stale rules failed (%s): their proxy ports stay held", exc)
+            return False
+        return True
 
     async def _reconcile_port(
         self, name: ServicePortName, info: ServicePortInfo, snapshot: Snapshot

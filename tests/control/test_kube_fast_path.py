@@ -126,3 +126,56 @@ async def test_a_failed_apply_is_followed_by_a_complete_sync_and_the_proxy_stays
         # The apply loop still runs: the next change is applied as before.
         apiserver.update(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_a))
         await _until_web_answers(proxy, "pod-a", "changes stopped after the failed apply")
+
+
+class SlowCleanupRules(RecordingRules):
+    """Rules whose deferred deletes (the second commit) take `DEFERRED_SECONDS`."""
+
+    def commit_deferred(self) -> None:
+        time.sleep(DEFERRED_SECONDS)
+        super().commit_deferred()
+
+
+DEFERRED_SECONDS = 2.5
+
+
+@pytest.mark.timeout(60)
+async def test_network_programming_latency_ends_when_the_rules_are_live_not_after_the_cleanup(
+    apiserver: FakeApiServer, kubeconfig: str, web: tuple[int, int]
+) -> None:
+    port_a, _ = web
+    async with running_proxy(kube_config(kubeconfig)) as proxy:
+        await eventually(lambda: proxy.proxier.port_of(WEB), timeout=10, what="web served")
+        rules = SlowCleanupRules()
+        proxy.proxier.set_rule_sink(rules)
+        ops = proxy.ops
+        assert ops is not None
+        before = await _programming(ops.metrics_port)
+        deferred = rules.deferred_commits
+        # A new Service and its slice: live at the rule commit, then its second commit runs.
+        apiserver.create(service("late", cluster_ip="10.96.0.13"))
+        trigger = _now_rfc3339()  # whole seconds: up to 1 s early
+        apiserver.create(endpoint_slice("late-a", "late", ["127.0.0.1"], port=port_a,
+                                        trigger_time=trigger))  # fmt: skip
+        await eventually(
+            lambda: rules.deferred_commits > deferred, timeout=20, what="the second commit"
+        )
+        await eventually(
+            lambda: proxy.syncs and not proxy.proxier.rules_pending, timeout=20, what="synced"
+        )
+        count, total = await _programming(ops.metrics_port)
+        assert count > before[0]
+        # Measured to the first commit: the 2.5 s of the second one are not in it.
+        assert (total - before[1]) / (count - before[0]) < DEFERRED_SECONDS - 0.3
+
+
+async def _programming(port: int | None) -> tuple[float, float]:
+    """(count, sum) of the network-programming latency histogram."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{port}/metrics") as response,
+    ):
+        text = await response.text()
+    name = "kubeproxy_network_programming_duration_seconds"
+    count = sample_value(text, f"{name}_count", {}) or 0.0
+    return count, sample_value(text, f"{name}_sum", {}) or 0.0

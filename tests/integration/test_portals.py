@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 # Runs inside the namespace: builds a varied set of service ports, then runs `steps`.
 DRIVER = textwrap.dedent(
     """
-    import json, subprocess, sys
+    import json, socket, subprocess, sys
     from kube_userspace_proxy import logs
     from kube_userspace_proxy.model import *
     from kube_userspace_proxy.portals import Portals, cleanup_all, make_backend
@@ -83,10 +83,32 @@ DRIVER = textwrap.dedent(
 
         portals.backend.commit = recording
     for step in args["steps"]:
-        if step[0] == "apply":
+        if step[0] == "apply":  # as the proxier does: the commit that goes live, then the rest
             portals.apply(ports(step[1], step[2] if len(step) > 2 else 0))
+            portals.commit_deferred()
+        elif step[0] == "live":  # the first commit alone
+            portals.apply(ports(step[1], step[2] if len(step) > 2 else 0))
+        elif step[0] == "deferred":
+            portals.commit_deferred()
+        elif step[0] == "connect":  # from the node to HOST:PORT: does proxy port LISTEN get it?
+            host, port, listen = step[1:4]
+            with socket.socket() as server:
+                server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                server.bind(("0.0.0.0", listen))
+                server.listen(1)
+                server.settimeout(5)
+                try:
+                    with socket.create_connection((host, port), 5):
+                        server.accept()[0].close()
+                    got = True
+                except OSError:  # refused: a rule sent it to a port nobody listens on
+                    got = False
+            result.setdefault("connected", []).append(got)
         elif step[0] == "run":
             subprocess.run(step[1], check=True)
+        elif step[0] == "output":  # a command's output, kept
+            out = subprocess.run(step[1], check=True, capture_output=True, text=True).stdout
+            result.setdefault("output", []).append(out)
         elif step[0] == "restore":  # rules of someone else (or of an earlier release)
             subprocess.run([step[1], "--noflush"], input=step[2], text=True, check=True)
         elif step[0] == "advance":
@@ -209,9 +231,10 @@ def test_one_changed_port_is_one_small_commit(node: Netns, backend: str) -> None
     steps = (["apply", 30], ["apply", 30, 500], ["apply", 30, 500])
     before, after, resync = drive(node, backend, *steps)["steps"]
     # The last port has IPv4 nat rules, and a KUBE-PROXY-PORTS guard rule in the filter table
-    # of each family the proxy ports serve (dual-stack here): one commit per table touched.
-    assert after["commits"] - before["commits"] == 3
-    assert resync == after  # the state the commit left is recognised as ours: no repair
+    # of each family the proxy ports serve (dual-stack here): one commit per table touched,
+    # and with the restore backend a second one for its deletes.
+    assert after["commits"] - before["commits"] == (3 if backend == "iptc" else 6)
+    assert resync == after  # the state the commits left is recognised as ours: no repair
 
 
 @pytest.mark.parametrize("backend", ["iptc", "restore"])
@@ -321,12 +344,12 @@ def shard_of_port(i: int, chain: str) -> str:
     return shard_chain(chain, shard_for(chain, f"10.96.{i // 200}.{i % 200 + 1}/32", 0))
 
 
-def fresh_install(name: str, backend: str, n: int) -> dict[str, list[str]]:
+def fresh_install(name: str, backend: str, n: int, shift: int = 0) -> dict[str, list[str]]:
     """Our rules as a first apply of `n` ports writes them into empty tables."""
     fresh = Netns(name + "f")
     sh("ip", "netns", "add", fresh.name)
     try:
-        drive(fresh, backend, ["apply", n])
+        drive(fresh, backend, ["apply", n, shift])
         return tables(fresh, backend)
     finally:
         sh("ip", "netns", "del", fresh.name, check=False)
@@ -369,26 +392,89 @@ def test_a_new_connection_passes_only_the_jump_into_its_own_shard(
 
 @pytest.mark.parametrize("backend", ["iptc", "restore"])
 def test_one_change_restore_input_holds_only_the_changed_rules(node: Netns, backend: str) -> None:
-    result = drive(node, backend, ["apply", 300], ["apply", 300, 100])
-    inputs = result["inputs"][result["steps"][0]["commits"] :]
+    result = drive(node, backend, ["apply", 300], ["live", 300, 100], ["deferred"])
+    first, live, _ = (step["commits"] for step in result["steps"])
+    inputs = result["inputs"][first:]
     # Port 299 (UDP, IPv4 only) moved from proxy port 40299 to 40399: its ClusterIP rules in
     # one nat shard (its ClusterIP's), its guard rule in the filter shard of each family (both
-    # ports are in shard 9D, 40192-40447); nothing else.
-    assert sorted(text.splitlines()[0] for text in inputs) == ["*filter", "*filter", "*nat"]
+    # ports are in shard 9D, 40192-40447); nothing else. The new nat rules go to the head of
+    # their shards, where they shadow the old ones.
+    heads = ["*filter", "*filter", "*nat"]
+    assert sorted(text.splitlines()[0] for text in inputs) == sorted(
+        heads * (1 if backend == "iptc" else 2)
+    )
     body = [line for text in inputs for line in text.splitlines()[1:-1]]
     assert all('--comment "ns2/svc299:p"' in line for line in body), body
     assert sorted(line.split()[0] + " " + line.split()[-1] for line in body) == sorted(
         [
-            *("-D 40299", "-D 10.244.0.1:40299", "-A 40399", "-A 10.244.0.1:40399"),
+            *("-D 40299", "-D 10.244.0.1:40299", "-I 40399", "-I 10.244.0.1:40399"),
             *("-D icmp-port-unreachable", "-A icmp-port-unreachable"),
             *("-D icmp6-port-unreachable", "-A icmp6-port-unreachable"),
         ]
     )
-    nat = next(text for text in inputs if text.startswith("*nat"))
-    assert {line.split()[1] for line in nat.splitlines()[1:-1]} == {
+    nat = [line for text in inputs if text.startswith("*nat") for line in text.splitlines()]
+    assert {line.split()[1] for line in nat[1:-1] if line[:1] == "-"} == {
         shard_of_port(299, "KUBE-PORTALS-CONTAINER"),
         shard_of_port(299, "KUBE-PORTALS-HOST"),
     }
+    if backend == "restore":  # the first commit adds only, the second deletes only
+        assert len(inputs) == 6
+        adds = [line for text in inputs[: live - first] for line in text.splitlines()]
+        assert not [line for line in adds if line.startswith("-D")]
+        deletes = [line for text in inputs[live - first :] for line in text.splitlines()]
+        assert all(line.startswith("-D") for line in deletes if line.startswith("-"))
+
+
+# Port 296 of DRIVER's ports: TCP, ClusterIP 10.96.1.97 port 82, NodePort 30296; moved by
+# `ports(297, 100)` from proxy port 40296 to 40396, in the same filter shard (9D: ports
+# 40192-40447), as a move to the allocator's next port lands.
+NODE_SETUP = (
+    "ip link set lo up && ip addr add 10.244.0.1/32 dev lo && ip route add 10.96.0.0/16 dev lo"
+)
+
+
+@pytest.mark.parametrize("backend", ["iptc", "restore"])
+def test_a_moved_port_takes_connections_at_its_first_commit_and_its_deletes_follow(
+    node: Netns, backend: str
+) -> None:
+    save = [SAVES[backend][0], "-t", "nat"]
+    to_old, to_new = ["connect", "10.96.1.97", 82, 40296], ["connect", "10.96.1.97", 82, 40396]
+    steps = (["run", ["sh", "-c", NODE_SETUP]], ["apply", 297], to_old, ["live", 297, 100])
+    steps += (to_new, ["output", save], ["deferred"], to_new)
+    result = drive(node, backend, *steps)
+    # A real connection from the node to the ClusterIP reached the old proxy port, then the
+    # new one right after the first commit of the move, and still after the deletes.
+    assert result["connected"] == [True, True, True]
+    counts = [step["commits"] for step in result["steps"]]
+    live = result["inputs"][counts[2] : counts[3]]
+    deferred = result["inputs"][counts[5] : counts[6]]
+    mine = '--comment "ns2/svc296:p"'
+    shard = shard_of_port(296, "KUBE-PORTALS-HOST")
+    held = [line for line in result["output"][0].splitlines() if line.startswith(f"-A {shard} ")]
+    ours = [line for line in held if mine in line]
+    # After the first commit: the new rule leads its shard. With iptc the old one is gone;
+    # with restore it is still there behind the new one, until the second commit.
+    assert held[0].endswith("--to-destination 10.244.0.1:40396")
+    assert [line.rsplit(":", 1)[-1] for line in ours] == (
+        ["40396"] if backend == "iptc" else ["40396", "40296"]
+    )
+    if backend == "restore":
+        adds = [line for text in live for line in text.splitlines() if line[:1] == "-"]
+        assert adds and not [line for line in adds if line.startswith("-D")], adds
+        assert all("40396" in line for line in adds), adds
+        # nat: ClusterIP and NodePort, container and host; filter: guards (both families)
+        # and the NodePort's ACCEPT
+        assert sum(line.startswith("-I ") for line in adds) == 4
+        deletes = [line for text in deferred for line in text.splitlines() if line[:1] == "-"]
+        assert sorted(line.split()[0] for line in deletes) == ["-D"] * 7, deletes
+        assert all("40296" in line for line in deletes), deletes
+    else:
+        assert deferred == []
+    # In the end, the same rules as a first apply of the moved ports writes (a moved port's
+    # rules lead their chains instead of following the name order: compared sorted).
+    installed = {key: sorted(lines) for key, lines in tables(node, backend).items()}
+    fresh = fresh_install(node.name, backend, 297, 100)
+    assert installed == {key: sorted(lines) for key, lines in fresh.items()}
 
 
 @pytest.mark.parametrize("backend", ["iptc", "restore"])

@@ -113,6 +113,7 @@ class RecordingRules:
 
     def __init__(self, claimed: dict[tuple[str, str, str], int] | None = None) -> None:
         self.applied: list[list[ProxiedPort]] = []
+        self.deferred_commits = 0
         self.fail = False
         self.claimed = claimed or {}
 
@@ -123,6 +124,9 @@ class RecordingRules:
         if self.fail:
             raise RuntimeError("iptables-restore failed")
         self.applied.append(list(ports))
+
+    def commit_deferred(self) -> None:
+        self.deferred_commits += 1
 
 
 def _two_free_ports() -> tuple[int, int]:
@@ -210,6 +214,51 @@ async def test_a_removed_port_is_not_reused_until_a_commit_no_longer_names_it(
         rules.fail = False
         await proxier.sync(_snap([_info(B), _info(c)], eps))  # this commit drops A's rules
         await proxier.sync(_snap([_info(B), _info(c)], eps))  # now the port may serve C
+        assert proxier.port_of(c) == port_a
+        assert await ask(port_a) == "pod"
+    finally:
+        await proxier.shutdown(0.5)
+
+
+async def test_a_removed_port_is_released_only_once_its_deferred_deletes_are_committed(
+    backend_port: int,
+) -> None:
+    low, high = _two_free_ports()
+    calls: list[str] = []
+
+    class DeferringRules(RecordingRules):
+        """Rules whose stale leftovers (naming retired ports) go in a second commit."""
+
+        fail_deferred = False
+
+        def apply(self, ports: Sequence[ProxiedPort], node_ips: Sequence[str]) -> None:
+            calls.append("apply")
+            super().apply(ports, node_ips)
+
+        def commit_deferred(self) -> None:
+            calls.append("deferred")
+            if self.fail_deferred:
+                raise RuntimeError("iptables-restore failed")
+            super().commit_deferred()
+
+    rules = DeferringRules()
+    proxier = Proxier(PortAllocator((low, high), host="127.0.0.1"), portals=rules)
+    c = ServicePortName("default", "c", "http", Protocol.TCP)
+    eps = {n: (Endpoint("127.0.0.1", backend_port),) for n in (A, B, c)}
+    try:
+        await proxier.sync(_snap([_info(A)], eps))
+        port_a = proxier.port_of(A)
+        # A goes, B comes: the commit is live, but the deletes of A's rules fail.
+        rules.fail_deferred = True
+        await proxier.sync(_snap([_info(B)], eps))
+        assert calls[-2:] == ["apply", "deferred"]
+        assert proxier.rules_pending  # A's port waits for a commit that deletes its rules
+        await proxier.sync(_snap([_info(B), _info(c)], eps))
+        assert proxier.port_of(c) == 0, "a port that a stale rule may name was reused"
+        rules.fail_deferred = False
+        await proxier.sync(_snap([_info(B), _info(c)], eps))  # its deletes go through now
+        assert not proxier.rules_pending
+        await proxier.sync(_snap([_info(B), _info(c)], eps))
         assert proxier.port_of(c) == port_a
         assert await ask(port_a) == "pod"
     finally:

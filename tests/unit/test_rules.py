@@ -328,19 +328,49 @@ class FakeTable:
 
 
 def sync(
-    table: FakeTable, want: plan.TableRules, state: dict[str, object] | None
+    table: FakeTable,
+    want: plan.TableRules,
+    state: dict[str, object] | None,
+    *,
+    defer: bool = False,
 ) -> tuple[plan.Plan, dict[str, object]]:
     view = table.view()
     if state is None:
         step = plan.replace_all(want, view)
     else:
-        step = plan.update(want, view, state["chains"], state["fps"])  # type: ignore[arg-type]
+        applied, fps = state["chains"], state["fps"]
+        step = plan.update(want, view, applied, fps, defer=defer)  # type: ignore[arg-type]
     table.run(step.ops)
     return step, {"chains": step.chains, "fps": dict(table.view().chains)}
 
 
 def nat(ports: Sequence[ProxiedPort]) -> plan.TableRules:
     return plan.group(render(ports, NODE))[(4, "nat")]
+
+
+def filter_table(ports: Sequence[ProxiedPort]) -> plan.TableRules:
+    return plan.group(render(ports, NODE))[(4, "filter")]
+
+
+def match(rule: Rule) -> str:
+    """The rule's text before its target: which packets it takes."""
+    return rule.spec.rpartition(" -j ")[0]
+
+
+def takes_as_wanted(table: FakeTable, want: plan.TableRules) -> bool:
+    """Every packet meets the rule `want` has for it: in each chain, the first rule with a
+    wanted rule's match is that rule, and (nat) every other rule is behind a wanted one with
+    its match (shadowed). Filter may keep rules of released ports (`plan._can_wait`)."""
+    for chain, rules in want.chains.items():
+        first: dict[str, Rule] = {}
+        for r in table.chains[chain]:
+            first.setdefault(match(r), r)
+        if any(first.get(match(r)) != r for r in rules):
+            return False
+        wanted = set(rules)
+        if table.table == "nat" and any(first[match(r)] not in wanted for r in first.values()):
+            return False
+    return True
 
 
 def services(indexes: Sequence[int], proxy_base: int = 40000) -> list[ProxiedPort]:
@@ -359,7 +389,7 @@ def holds(table: FakeTable, want: plan.TableRules) -> bool:
     for chain, rules in want.chains.items():
         if sorted(table.chains[chain], key=lambda r: r.line) != sorted(rules, key=lambda r: r.line):
             return False
-    jumps = [(c, r.target) for c in ("PREROUTING", "OUTPUT") for r in table.chains[c]]
+    jumps = [(c, r.target) for c in ("PREROUTING", "OUTPUT", "INPUT") for r in table.chains[c]]
     return sorted(jumps) == sorted((j.chain, j.target) for j in want.jumps)
 
 
@@ -376,9 +406,64 @@ def test_update_from_a_to_b_leaves_exactly_b(a: set[int], b: set[int], shift: in
     step, state = sync(table, want, state)
     assert holds(table, want)
     assert step.repaired == []
+    assert step.deferred == 0
     assert {c: list(r) for c, r in step.chains.items()} == {
         c: rules for c, rules in table.chains.items() if is_ours("nat", c)
     }
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.sets(st.integers(0, 40), max_size=25),
+    st.sets(st.integers(0, 40), max_size=25),
+    st.sets(st.integers(0, 40), max_size=10),
+    st.sampled_from(["nat", "filter"]),
+)
+def test_a_deferred_update_is_live_at_once_and_its_second_commit_leaves_exactly_b(
+    a: set[int], b: set[int], moved: set[int], name: str
+) -> None:
+    def rules(indexes: set[int]) -> plan.TableRules:
+        ports = [services([i], proxy_base=41000 if i in moved else 40000)[0] for i in indexes]
+        return (nat if name == "nat" else filter_table)(sorted(ports, key=lambda p: p.info.name))
+
+    table = FakeTable(name)
+    _, state = sync(table, rules(a), None)
+    want = rules(b)
+    step, state = sync(table, want, state, defer=True)
+    # The first commit: every packet already meets the wanted rules, and what the plan
+    # recorded is what the table holds, stale rules in their places.
+    assert takes_as_wanted(table, want)
+    assert step.repaired == []
+    assert {c: list(r) for c, r in step.chains.items()} == {
+        c: rules for c, rules in table.chains.items() if is_ours(name, c)
+    }
+    # The second, without deferral: only deletes, and then exactly b.
+    second, _ = sync(table, want, state)
+    assert all(isinstance(op, plan.Delete) for op in second.ops)
+    assert len(second.ops) == step.deferred
+    assert second.deferred == 0
+    assert holds(table, want)
+    assert {c: list(r) for c, r in second.chains.items()} == {
+        c: rules for c, rules in table.chains.items() if is_ours(name, c)
+    }
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sets(st.integers(0, 30), max_size=15), min_size=2, max_size=5))
+def test_deferred_deletes_left_behind_by_failed_second_commits_go_with_a_later_one(
+    states: list[set[int]],
+) -> None:
+    # Each state moves every port to the proxy ports of its round; no second commit runs
+    # until the end: the stale rules pile up, and one commit without deferral removes them.
+    table = FakeTable("nat")
+    _, state = sync(table, nat(services(sorted(states[0]))), None)
+    want = nat([])
+    for round_, indexes in enumerate(states[1:], 1):
+        want = nat(services(sorted(indexes), proxy_base=40000 + 100 * round_))
+        _, state = sync(table, want, state, defer=True)
+        assert takes_as_wanted(table, want)
+    sync(table, want, state)
+    assert holds(table, want)
 
 
 def test_an_unchanged_state_plans_nothing() -> None:
@@ -389,13 +474,64 @@ def test_an_unchanged_state_plans_nothing() -> None:
     assert step.ops == []
 
 
-def test_one_change_plans_one_delete_and_one_append_per_rule() -> None:
+def test_one_moved_port_plans_its_new_rules_at_the_head_of_their_chains() -> None:
     table = FakeTable("nat")
     _, state = sync(table, nat(services(range(50))), None)
     changed = services(range(49)) + services([49], proxy_base=41000)
     step, _ = sync(table, nat(changed), state)
     kinds = sorted(type(op).__name__ for op in step.ops)
-    assert kinds == ["Append", "Append", "Delete", "Delete"]
+    assert kinds == ["Delete", "Delete", "Prepend", "Prepend"]
+    for op in step.ops:
+        if isinstance(op, plan.Prepend):
+            assert table.chains[op.rule.chain][0] == op.rule
+
+
+def test_a_deferred_move_commits_its_inserts_first_and_its_deletes_second() -> None:
+    table = FakeTable("nat")
+    _, state = sync(table, nat(services(range(50))), None)
+    changed = services(range(49)) + services([49], proxy_base=41000)
+    step, state = sync(table, nat(changed), state, defer=True)
+    assert [type(op).__name__ for op in step.ops] == ["Prepend", "Prepend"]
+    assert step.deferred == 2
+    old = [r for r in services_rules(services([49])) if r.table == "nat"]
+    new = [r for r in services_rules(changed[-1:]) if r.table == "nat"]
+    for stale, replacement in zip(old, new, strict=True):  # each still held, shadowed
+        assert table.chains[stale.chain][:1] == [replacement]
+        assert stale in table.chains[stale.chain]
+    second, _ = sync(table, nat(changed), state)
+    assert sorted((type(op).__name__, op.spec) for op in second.ops) == sorted(  # type: ignore[union-attr]
+        ("Delete", r.spec) for r in old
+    )
+
+
+def test_a_removed_service_port_is_deleted_at_once_from_nat_and_later_from_filter() -> None:
+    with_node_port = services(range(4))  # 0 and 3 have NodePorts: an ACCEPT in filter too
+    kept = with_node_port[1:]
+    tables = {"nat": FakeTable("nat"), "filter": FakeTable("filter")}
+    for name, table in tables.items():
+        pick = nat if name == "nat" else filter_table
+        _, state = sync(table, pick(with_node_port), None)
+        step, _ = sync(table, pick(kept), state, defer=True)
+        if name == "nat":  # nothing shadows them: a removed Service's rules go at once
+            assert step.deferred == 0
+            assert sum(isinstance(op, plan.Delete) for op in step.ops) == 4
+        else:  # its guard and its NodePort ACCEPT harm nothing until the second commit
+            assert step.ops == []
+            assert step.deferred == 2
+
+
+def test_a_moved_port_sharing_its_address_and_port_with_another_service_is_appended() -> None:
+    # Two Services claim 10.96.0.9:80: the first in name order takes the packets. Moving the
+    # second must not put its rules ahead of the first's.
+    a = port(name=ServicePortName("ns", "a", "p"), cluster_ips=("10.96.0.9",), cluster_port=40001)
+    b = port(name=ServicePortName("ns", "b", "p"), cluster_ips=("10.96.0.9",), cluster_port=40002)
+    table = FakeTable("nat")
+    _, state = sync(table, nat([a, b]), None)
+    step, _ = sync(table, nat([a, replace(b, cluster_port=40003)]), state, defer=True)
+    assert step.deferred == 0
+    assert sorted(type(op).__name__ for op in step.ops) == ["Append", "Append", "Delete", "Delete"]
+    for chain in (c for c in table.chains if c.startswith(f"{CONTAINER_PORTALS}-")):
+        assert [r.comment for r in table.chains[chain]] == ["ns/a:p", "ns/b:p"]
 
 
 def test_the_first_sync_replaces_rules_an_earlier_run_left() -> None:
@@ -462,6 +598,7 @@ class MemoryBackend:
     """A Backend whose tables are FakeTables: Portals' own logic without a kernel."""
 
     name = mode = "memory"
+    defers_deletes = True
 
     def __init__(self) -> None:
         self.held: dict[tuple[Family, str], FakeTable] = {}
@@ -536,6 +673,80 @@ def test_ipv6_rules_of_a_run_with_bind_address_any6_go_when_restarted_with_0_0_0
         held = {key: [r for c in t.chains.values() for r in c] for key, t in backend.held.items()}
         assert held[(4, "nat")] and held[(4, "filter")]
         assert bool(held[(6, "nat")]) == bool(held[(6, "filter")]) == (bind == "::")
+
+
+def held_rules(backend: MemoryBackend) -> dict[tuple[Family, str, str], list[str]]:
+    """Each chain's rules, sorted (a moved port's rules lead their chains; order within a
+    chain changes no packet's fate unless two Services claim one address and port)."""
+    return {
+        (family, table, chain): sorted(r.line for r in rules)
+        for (family, table), held in backend.held.items()
+        for chain, rules in held.chains.items()
+        if rules
+    }
+
+
+def test_a_move_goes_live_with_inserts_alone_and_commit_deferred_deletes_the_rest() -> None:
+    backend = MemoryBackend()
+    portals = Portals(backend, node_ips=("10.244.0.1",), physdev=True, verify_period=0.0)
+    before = services(range(30))
+    portals.apply(before)
+    # 29 (no NodePort) moves to 40129, in the filter shard of its old port 40029.
+    moved = [*before[:29], services([29], proxy_base=40100)[0]]
+    first = len(backend.inputs)
+    portals.apply(moved)
+    inserts = [line for text in backend.inputs[first:] for line in text.splitlines()]
+    # nat: the ClusterIP's two rules, inserted; filter: the new port's guard, appended.
+    assert sorted(line.split()[0] for line in inserts if line.startswith("-")) == [
+        "-A",
+        "-I",
+        "-I",
+    ]
+    assert all("40129" in line for line in inserts if line.startswith("-"))
+    # The stale rules are what the last commit left: a full read sees no tampering.
+    portals.apply(moved)
+    assert portals.repairs == 0
+    first = len(backend.inputs)
+    portals.commit_deferred()
+    deletes = [line for text in backend.inputs[first:] for line in text.splitlines()]
+    assert sorted(line.split()[0] for line in deletes if line.startswith("-")) == ["-D"] * 3
+    assert all("40029" in line for line in deletes if line.startswith("-D"))
+    assert "*filter" in deletes  # the released port's guard, left for this commit
+    commits = portals.commits
+    portals.commit_deferred()  # nothing waits any more
+    assert portals.commits == commits
+    fresh = MemoryBackend()
+    Portals(fresh, node_ips=("10.244.0.1",), physdev=True).apply(moved)
+    assert held_rules(backend) == held_rules(fresh)
+
+
+def test_a_failed_deferred_commit_is_replaced_and_leaves_exactly_the_wanted_rules() -> None:
+    class FailingOnce(MemoryBackend):
+        failures = 1
+
+        def commit(
+            self,
+            family: Family,
+            table: str,
+            ops: Sequence[plan.Op],
+            base: plan.TableView | None = None,
+        ) -> None:
+            if self.failures and all(isinstance(op, plan.Delete) for op in ops):
+                self.failures -= 1
+                raise PortalsError("iptables-restore: injected")
+            super().commit(family, table, ops, base)
+
+    backend = FailingOnce()
+    portals = Portals(backend, node_ips=("10.244.0.1",), physdev=True)
+    before = services(range(10))
+    portals.apply(before)
+    moved = [*before[:9], services([9], proxy_base=41000)[0]]
+    portals.apply(moved)
+    portals.commit_deferred()
+    assert backend.failures == 0
+    fresh = MemoryBackend()
+    Portals(fresh, node_ips=("10.244.0.1",), physdev=True).apply(moved)
+    assert held_rules(backend) == held_rules(fresh)
 
 
 # ---- proxy ports claimed by installed rules -----------------------------------------------
@@ -756,6 +967,15 @@ def test_predicted_table_follows_appends_deletes_and_resets() -> None:
     assert after.chains == {CONTAINER_PORTALS: ("x", a.spec), HOST_PORTALS: (b.spec,)}
 
 
+def test_predicted_table_puts_an_inserted_rule_at_the_head_of_its_chain() -> None:
+    a = services_rules([port()])[0]
+    view = plan.TableView({a.chain: ("x", "y")})
+    moved = replace(a, to_port=40009)
+    after = predict(view, [plan.Prepend(moved), plan.Prepend(a)])
+    assert after is not None
+    assert after.chains == {a.chain: (a.spec, moved.spec, "x", "y")}
+
+
 def test_prediction_follows_jumps_and_gives_up_when_a_delete_misses() -> None:
     jump = next(r for r in render([], NODE) if r.is_jump)
     view = plan.TableView({CONTAINER_PORTALS: ("x",)})
@@ -773,16 +993,17 @@ def test_one_change_restore_input_holds_only_the_changed_rules() -> None:
     _, state = sync(table, nat(before), None)
     moved = services([100], proxy_base=41000)[0]
     after = [*before[:100], moved, *before[101:]]
-    step, _ = sync(table, nat(after), state)
+    step, state = sync(table, nat(after), state, defer=True)
     text = restore_text("nat", step.ops).splitlines()
     old = [r for r in services_rules([before[100]]) if r.table == "nat"]
     new = [r for r in services_rules([moved]) if r.table == "nat"]
     assert len(old) == len(new) == 2  # a container and a host rule
     assert text[0] == "*nat"
     assert text[-1] == "COMMIT"
-    assert sorted(text[1:-1]) == sorted(
-        [f"-D {r.chain} {r.spec}" for r in old] + [r.line for r in new]
-    )
+    assert sorted(text[1:-1]) == sorted(f"-I {r.chain} 1 {r.spec}" for r in new)
+    second, _ = sync(table, nat(after), state)
+    text = restore_text("nat", second.ops).splitlines()
+    assert sorted(text[1:-1]) == sorted(f"-D {r.chain} {r.spec}" for r in old)
 
 
 def test_every_proxy_port_is_guarded_against_direct_connections() -> None:

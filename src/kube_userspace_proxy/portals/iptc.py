@@ -378,6 +378,10 @@ class IptcBackend:
 
     mode = "legacy"
     name = "iptc (legacy)"
+    defers_deletes = False
+    """A legacy commit replaces the whole table (libiptc here, and iptables-legacy-restore for
+    IPv6 alike): it costs the table's size whatever it changes, and a delete costs it nothing
+    more. A second commit for the deletes would only pay the whole table again."""
 
     def __init__(self, lock_file: str | None = None) -> None:
         self._lock_file = lock_file or os.environ.get("XTABLES_LOCKFILE") or LOCK_FILE

@@ -9,6 +9,12 @@ difference is read in full and repaired exactly. Every `verify_period` the table
 full (fingerprints of every chain, shards included) and whatever differs is put back. The
 first apply of a run replaces whatever an earlier run left; before it, `claimed_ports` tells
 which proxy port those rules send each service port to, so a restart can take the same ports.
+
+Deleting a rule costs a commit more than adding one (the kernel frees the old rules before it
+answers), so where the backend says it pays (`Backend.defers_deletes`), `apply` commits what
+makes the change live and leaves the deletes that change no packet's fate (a moved port's old
+rules, shadowed by their replacements at the head of their chains; a released proxy port's
+filter rules) to `commit_deferred`, which the caller runs next, off the latency path.
 """
 
 from __future__ import annotations
@@ -110,6 +116,9 @@ class Portals:
         self._clock = clock
         self._desired = Desired(self._settings)
         self._applied: dict[tuple[Family, str], _Applied] = {}
+        self._defer = backend.defers_deletes
+        # Tables whose last commit left deletes for `commit_deferred`, with what they want.
+        self._deferred: dict[tuple[Family, str], plan.TableRules] = {}
         self._leftovers_found: set[tuple[Family, str]] = set()
         self._lock = threading.Lock()
         self._warned_no_node_ip: set[Family] = set()
@@ -142,7 +151,12 @@ class Portals:
             return self._desired.rules(self._families())
 
     def apply(self, ports: Sequence[ProxiedPort]) -> None:
-        """Make the kernel hold exactly the rules for `ports`; blocking; PortalsError on failure."""
+        """Make `ports`' rules the ones that take packets; blocking; PortalsError on failure.
+
+        Once it returns, every packet meets the rules for `ports`. The kernel may still hold
+        rules no packet reaches or that change no packet's fate (`plan.update(defer=True)`):
+        `commit_deferred` deletes them, and should follow at once.
+        """
         with self._lock:
             if not self._applied:
                 self._leftovers_found = self._leftovers()
@@ -156,17 +170,44 @@ class Portals:
                 (family, table, wanted.get((family, table)) or plan.empty(family, table))
                 for family, table in sorted(keys)
             ]
-            if hasattr(self.backend, "commit_many"):
-                self._sync_together(tables, errors)
-            else:
-                for family, table, want in tables:
-                    try:
-                        self._sync(family, table, want)
-                    except PortalsError as exc:
-                        log.error("iptables %s table (IPv%d): %s", table, family, exc)
-                        errors.append(exc)
+            self._sync_all(tables, errors, defer=self._defer)
             if errors:
                 raise errors[0]
+
+    def commit_deferred(self) -> None:
+        """Commit the deletes the last `apply` left for later; blocking; PortalsError on failure.
+
+        Each such table is planned again against the same desired rules, without deferring
+        anything (so nothing waits for a second round), checked for tampering like any apply.
+        A failed commit is retried as a replacement of our chains in that table, as an apply's
+        is; if that fails too, the table is read in full at the next apply, which finds the
+        stale rules and deletes them. No-op when nothing waits.
+        """
+        with self._lock:
+            keys = sorted(k for k in self._deferred if k in self._applied)
+            tables = [(family, table, self._deferred[(family, table)]) for family, table in keys]
+            self._deferred.clear()
+            errors: list[PortalsError] = []
+            self._sync_all(tables, errors, defer=False)
+            if errors:
+                raise errors[0]
+
+    def _sync_all(
+        self,
+        tables: list[tuple[Family, str, plan.TableRules]],
+        errors: list[PortalsError],
+        *,
+        defer: bool,
+    ) -> None:
+        if hasattr(self.backend, "commit_many"):
+            self._sync_together(tables, errors, defer=defer)
+            return
+        for family, table, want in tables:
+            try:
+                self._sync(family, table, want, defer=defer)
+            except PortalsError as exc:
+                log.error("iptables %s table (IPv%d): %s", table, family, exc)
+                errors.append(exc)
 
     def rule_counts(self) -> dict[str, int]:
         """Rules in our chains after the last commit, per table (both families summed)."""
@@ -180,12 +221,14 @@ class Portals:
         """Forget what was applied and replace our chains wholesale."""
         with self._lock:
             self._applied.clear()
+            self._deferred.clear()
         self.apply(ports)
 
     def cleanup(self) -> int:
         """Remove our chains and jumps everywhere (see `cleanup_all`)."""
         with self._lock:
             self._applied.clear()
+            self._deferred.clear()
             return cleanup_all()
 
     def _leftovers(self) -> set[tuple[Family, str]]:
@@ -279,22 +322,26 @@ class Portals:
                     family,
                 )
 
-    def _sync(self, family: Family, table: str, want: plan.TableRules) -> None:
+    def _sync(self, family: Family, table: str, want: plan.TableRules, *, defer: bool) -> None:
         """Check, plan, commit and record one table, under the backend's lock."""
         with self.backend.locked(family):
-            pending = self._plan(family, table, want)
+            pending = self._plan(family, table, want, defer=defer)
             after = self._commit(pending, None) if pending.step.ops else None
             self._record(pending, after)
 
     def _sync_together(
-        self, wanted: list[tuple[Family, str, plan.TableRules]], errors: list[PortalsError]
+        self,
+        wanted: list[tuple[Family, str, plan.TableRules]],
+        errors: list[PortalsError],
+        *,
+        defer: bool,
     ) -> None:
         """`_sync` for backends that commit several tables at once (`commit_many`): the
         tables are independent, and one commit's wait overlaps the others'."""
         pending: list[_Pending] = []
         for family, table, want in wanted:
             try:
-                pending.append(self._plan(family, table, want))
+                pending.append(self._plan(family, table, want, defer=defer))
             except PortalsError as exc:
                 log.error("iptables %s table (IPv%d): %s", table, family, exc)
                 errors.append(exc)
@@ -311,13 +358,15 @@ class Portals:
                 log.error("iptables %s table (IPv%d): %s", p.table, p.family, exc)
                 errors.append(exc)
 
-    def _plan(self, family: Family, table: str, want: plan.TableRules) -> _Pending:
+    def _plan(self, family: Family, table: str, want: plan.TableRules, *, defer: bool) -> _Pending:
         backend = self.backend
         applied = self._applied.pop((family, table), None)
+        self._deferred.pop((family, table), None)  # this plan deletes or defers them again
         verified = self._clock()
         if applied is None:
             view = backend.read(family, table)
-            return _Pending(family, table, want, None, view, plan.replace_all(want, view), verified)
+            step = plan.replace_all(want, view)
+            return _Pending(family, table, want, None, view, step, verified)
         view, full = self._check(family, table, applied)
         if CANARY not in view.chains:
             self.repairs += 1
@@ -330,7 +379,7 @@ class Portals:
             )
             step = plan.replace_all(want, view)
         else:
-            step = plan.update(want, view, applied.chains, applied.fingerprints)
+            step = plan.update(want, view, applied.chains, applied.fingerprints, defer=defer)
             if step.repaired:
                 self.repairs += 1
                 log.warning(
@@ -339,9 +388,8 @@ class Portals:
                     family,
                     ", ".join(step.repaired[:10]),
                 )
-        return _Pending(
-            family, table, want, applied, view, step, verified if full else applied.verified
-        )
+        verified = verified if full else applied.verified
+        return _Pending(family, table, want, applied, view, step, verified)
 
     def _commit(self, p: _Pending, outcome: TableView | PortalsError | None) -> TableView | None:
         """The table after `p`'s commit (`outcome`: its result, when already committed);
@@ -368,6 +416,8 @@ class Portals:
         self._applied[(p.family, p.table)] = _Applied(
             p.step.chains, dict(view.chains), view.jumps, view.referenced, p.verified
         )
+        if p.step.deferred:
+            self._deferred[(p.family, p.table)] = p.want
 
     def _check(self, family: Family, table: str, applied: _Applied) -> tuple[TableView, bool]:
         """The table as it is now, and whether it was read in full: at the verify period, or

@@ -86,6 +86,8 @@ def predict(view: TableView, ops: Sequence[Op]) -> TableView | None:
             jumps.insert(0 if isinstance(op, Prepend) else len(jumps), found)
         elif isinstance(op, Append) and op.rule.chain in chains:
             edited.setdefault(op.rule.chain, list(chains[op.rule.chain])).append(op.rule.spec)  # type: ignore[call-overload]
+        elif isinstance(op, Prepend) and op.rule.chain in chains:
+            edited.setdefault(op.rule.chain, list(chains[op.rule.chain])).insert(0, op.rule.spec)  # type: ignore[call-overload]
         elif isinstance(op, Delete) and op.chain in chains:
             specs = edited.setdefault(op.chain, list(chains[op.chain]))  # type: ignore[call-overload]
             if op.spec not in specs:
@@ -236,6 +238,10 @@ class RestoreBackend:
     def __init__(self, mode: str | None = None) -> None:
         self.mode = mode or default_mode()
         self.name = f"restore ({self.mode})"
+        # nft: a commit costs what it changes, and one that deletes ~10 ms more than one that
+        # inserts (the kernel frees the old rules before it answers), so a moved port goes
+        # live without its deletes. Legacy replaces the whole table either way (see iptc).
+        self.defers_deletes = self.mode == "nft"
         self._known: dict[tuple[Family, str], tuple[int, TableView]] = {}
         self._pool: ThreadPoolExecutor | None = None
         if binary(4, self.mode, "restore") is None:
