@@ -43,6 +43,8 @@ minutes (2 CPUs, busy); a round that would end after `--budget` seconds is not s
         [--bulk-seconds 3] [--setup-count 1000] [--idle 9000] [--clients 8]
         [--peers kernel,proxy-1,...] [--budget 540] [--out benchmarks/results]
         [--baseline OTHER_CHECKOUT/src]   # also base-1, base-auto: that tree's proxy
+                                          # (flags it predates are left out; no base-auto
+                                          # without --workers)
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import atexit
 import json
 import os
 import platform
+import re
 import resource
 import shutil
 import signal
@@ -86,7 +89,7 @@ from testbed import (
 
 from kube_userspace_proxy.config import ProxyConfig
 from kube_userspace_proxy.dataplane.steering import worker_of
-from tests.integration.conftest import Proxy, service, write_manifest
+from tests.integration.conftest import PROXY, Proxy, service, write_manifest
 from tests.integration.netns import POD_PORT, PODS, available, stop, wait_for
 
 WORKERS = ProxyConfig(workers="auto").worker_count
@@ -188,7 +191,8 @@ class ThisProxy(Peer):
         write_manifest(manifest, [*web, *bulk])
         assert bed.topo is not None
         flags = ("--iptables-sync-period", "30s", "--iptables-min-sync-period", "1s", "-v", "0")
-        self.proxy = Proxy(
+        make = Proxy if self.src is None else OlderProxy
+        self.proxy = make(
             bed.topo,
             self.backend,
             manifest,
@@ -199,6 +203,40 @@ class ThisProxy(Peer):
         self.proxy.start()
         self.proc = self.proxy.proc
         self.proxy.wait_rules(self.http, self.bulk)
+
+
+def known_flags(src: str) -> frozenset[str]:
+    """The long options of `run` in the proxy of another checkout's `src/`."""
+    done = subprocess.run(
+        [str(PROXY), "run", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": src},
+        timeout=60,
+    )
+    return frozenset(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", done.stdout))
+
+
+class OlderProxy(Proxy):
+    """The proxy of a baseline checkout that may predate some flags (e.g. `--workers`,
+    `--state-dir`): those it does not know are left out, with their values."""
+
+    def argv(self) -> list[str]:
+        src = next(w.partition("=")[2] for w in self.wrapper if w.startswith("PYTHONPATH="))
+        known = known_flags(src)
+        out: list[str] = []
+        skipping = False
+        for arg in super().argv():
+            if arg.startswith("--"):
+                skipping = arg.partition("=")[0] not in known
+            elif not arg.startswith("-") and skipping:
+                continue  # the value of a flag left out
+            else:
+                skipping = False
+            if not skipping:
+                out.append(arg)
+        return out
 
 
 @dataclass
@@ -303,6 +341,12 @@ def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[
             if baseline is None
             else [
                 ThisProxy("base-1", "baseline, --workers 1", *at(5), backend=backend, src=baseline),
+            ]
+        ),
+        *(
+            []
+            if baseline is None or "--workers" not in known_flags(baseline)
+            else [
                 ThisProxy(
                     "base-auto",
                     f"baseline, --workers auto ({WORKERS})",

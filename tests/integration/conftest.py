@@ -130,7 +130,12 @@ class Proxy:
     runs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start(self) -> None:
-        args = [
+        self.proc = self.topo.node.popen(self.argv(), self.log)
+        self.runs.append(self.proc)
+
+    def argv(self) -> list[str]:
+        """The command line `start` runs."""
+        return [
             *self.wrapper,
             str(PROXY),
             "run",
@@ -154,8 +159,6 @@ class Proxy:
             "100ms",
             *self.extra,
         ]
-        self.proc = self.topo.node.popen(args, self.log)
-        self.runs.append(self.proc)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         assert self.proc is not None
