@@ -158,6 +158,16 @@ def test_a_rule_comment_that_could_break_the_restore_input_is_refused(comment: s
         Rule(4, "nat", "KUBE-PORTALS-HOST", "DNAT", comment)
 
 
+def test_an_unsafe_comment_is_refused_every_time_even_right_after_a_safe_one() -> None:
+    # The check is cached per comment (a port's rules share theirs): a refusal never is.
+    for _ in range(3):
+        Rule(4, "nat", "KUBE-PORTALS-HOST", "DNAT", "default/web:http")
+        with pytest.raises(ValueError, match="comment"):
+            Rule(4, "nat", "KUBE-PORTALS-HOST", "DNAT", 'default/web:http"')
+        with pytest.raises(ValueError, match="comment"):
+            Rule(4, "nat", "KUBE-PORTALS-HOST", "DNAT", "default/web:http" + "x" * 250)
+
+
 def test_a_port_whose_comment_is_refused_is_rendered_without_the_others_losing_rules() -> None:
     good = objects.parse_service(service(), ("default", "web"))[0][0]
     # Bypass the parser, as a future source might: the renderer still refuses it alone.
@@ -168,3 +178,5 @@ def test_a_port_whose_comment_is_refused_is_rendered_without_the_others_losing_r
     )
     assert [r for r in rules if r.comment == "default/web:http"]
     assert not [r for r in rules if "evil" in r.comment]
+    again = render([ProxiedPort(evil, 40002, 40002)], Settings(node_ips=("10.0.0.1",)))
+    assert not [r for r in again if "evil" in r.comment]

@@ -15,6 +15,7 @@ stay the very same tuples, which the planner then compares by identity.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import chain as chain_of
 
 from kube_userspace_proxy.model import ProxiedPort, ServicePortName
 from kube_userspace_proxy.netutil import Family, ip_family
@@ -110,8 +111,14 @@ class Desired:
             for key, chain_rules in by_chain.items():
                 self._members.setdefault(key, {})[name] = tuple(chain_rules)
                 dirty.add(key)
+        entries: set[_ChainKey] = set()
         for key in dirty:
-            self._rebuild(key)
+            self._rebuild(key, entries)
+        for key in entries:  # once each, however many of its shards changed
+            entry = self._entries[key]
+            self._entry_rules[key] = tuple(
+                chain_of.from_iterable(entry[i][1] for i in sorted(entry))
+            )
         return len(changed) + len(removed)
 
     def _forget(self, name: ServicePortName, dirty: set[_ChainKey]) -> None:
@@ -120,7 +127,9 @@ class Desired:
             if self._members.get(key, {}).pop(name, None) is not None:
                 dirty.add(key)
 
-    def _rebuild(self, key: _ChainKey) -> None:
+    def _rebuild(self, key: _ChainKey, entries: set[_ChainKey]) -> None:
+        """Rebuild a shard chain from its members; add its entry chain to `entries` when
+        that chain's jumps to its shards must be rebuilt too."""
         family, table, chain = key
         shards = self._shards.setdefault((family, table), {})
         members = self._members.get(key)
@@ -129,7 +138,7 @@ class Desired:
         index = int(chain[-2:], 16)
         if members:
             names = sorted(members, key=_order)
-            rules = shards[chain] = tuple(rule for name in names for rule in members[name])
+            rules = shards[chain] = tuple(chain_of.from_iterable(members[name] for name in names))
             protocols = () if base in DST_SHARDED else tuple(sorted({r.protocol for r in rules}))
             have = entry.get(index)
             if have is not None and have[0] == protocols:
@@ -140,9 +149,7 @@ class Desired:
             shards.pop(chain, None)
             if entry.pop(index, None) is None:
                 return
-        self._entry_rules[(family, table, base)] = tuple(
-            rule for i in sorted(entry) for rule in entry[i][1]
-        )
+        entries.add((family, table, base))
 
     def families(self, wanted: Iterable[Family]) -> list[Family]:
         """The families to hold rules: those served among `wanted`, and any a rule needs."""

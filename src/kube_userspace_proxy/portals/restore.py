@@ -15,13 +15,13 @@ one seen then. After our own commit the table is predicted from the ops, not rea
 from __future__ import annotations
 
 import contextlib
-import logging
+import os
 import re
 import shutil
 import socket
 import struct
 import subprocess
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kube_userspace_proxy import logs
@@ -232,6 +232,29 @@ def restore_text(table: str, ops: Sequence[Op]) -> str:
     return "\n".join([*head, *body, "COMMIT", ""])
 
 
+@contextlib.contextmanager
+def _input(text: str | None) -> Iterator[int | None]:
+    """A descriptor holding `text`, to be a process's stdin (None: no input).
+
+    A file in memory rather than a pipe: a pipe is fed 512 bytes at a time by the thread
+    that waits for the process, and each write needs the GIL, so a large input (a first
+    commit: 3.5 MB) stalls while other threads run Python; from a file the process reads
+    at its own pace."""
+    if text is None:
+        yield None
+        return
+    fd = os.memfd_create("iptables-restore-input", os.MFD_CLOEXEC)
+    try:
+        data = text.encode()
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+        os.lseek(fd, 0, os.SEEK_SET)
+        yield fd
+    finally:
+        os.close(fd)
+
+
 class RestoreBackend:
     """Reads with `iptables-save -t TABLE`, writes with `iptables-restore --noflush -w`."""
 
@@ -257,14 +280,15 @@ class RestoreBackend:
             name = f"{'ip6' if family == 6 else 'ip'}tables-{self.mode}{'-' if tool else ''}{tool}"
             raise PortalsError(f"{name} missing")
         try:
-            done = subprocess.run(
-                [exe, *args],
-                input=stdin,
-                capture_output=True,
-                text=True,
-                timeout=TIMEOUT_SECONDS,
-                check=False,
-            )
+            with _input(stdin) as fd:
+                done = subprocess.run(
+                    [exe, *args],
+                    stdin=fd,
+                    capture_output=True,
+                    text=True,
+                    timeout=TIMEOUT_SECONDS,
+                    check=False,
+                )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise PortalsError(f"{exe} failed: {exc}") from exc
         if done.returncode != 0:
@@ -348,41 +372,51 @@ class RestoreBackend:
         """`commit` for several tables, one `iptables-restore` run each, all at once: each
         table is its own transaction, and the runs' waits (a commit that deletes rules
         waits for the kernel to release them) overlap. Per table, its view or its error."""
-        texts = [restore_text(table, ops) for _, table, ops, _ in batch]
-        if log.isEnabledFor(logging.DEBUG):
-            for text in texts:
-                log.debug("%s restore input:\n%s", self.name, text)
         before = nft_generation() if self.mode == "nft" else None
         known = [self._known.pop((family, table), None) for family, table, _, _ in batch]
         args = ["--noflush", "-w", str(LOCK_WAIT_SECONDS)]
 
-        def run(at: int) -> PortalsError | None:
+        def run(at: int, text: str) -> PortalsError | None:
             try:
-                self._run(batch[at][0], "restore", args, texts[at])
+                self._run(batch[at][0], "restore", args, text)
             except PortalsError as exc:
                 return exc
             return None
 
+        def text_of(at: int) -> str:
+            text = restore_text(batch[at][1], batch[at][2])
+            log.debug("%s restore input:\n%s", self.name, text)
+            return text
+
+        def after(at: int) -> TableView | None:
+            seen, base = known[at], batch[at][3]
+            planned = seen[1] if seen is not None and seen[0] == before else base
+            return predict(planned, batch[at][2]) if planned is not None else None
+
         if len(batch) > 1:
             if self._pool is None:  # kept: starting threads costs more than a small commit
                 self._pool = ThreadPoolExecutor(4, thread_name_prefix="iptables-restore")
-            failures = list(self._pool.map(run, range(len(batch))))
+            # Each run starts as soon as its input is written, the longest first (a first
+            # sync: nat's); the outcomes are predicted while they run.
+            longest = sorted(range(len(batch)), key=lambda at: -len(batch[at][2]))
+            runs = {at: self._pool.submit(run, at, text_of(at)) for at in longest}
+            predicted = [after(at) for at in range(len(batch))]
+            failures = [runs[at].result() for at in range(len(batch))]
         else:
-            failures = [run(0)] if batch else []
+            failures = [run(0, text_of(0))] if batch else []
+            predicted = [after(0) if failures[0] is None else None] if batch else []
         done = sum(failure is None for failure in failures)
         ours = before is not None and nft_generation() == before + done
         out: list[TableView | PortalsError | None] = []
-        for (family, table, ops, base), seen, failure in zip(batch, known, failures, strict=True):
+        for (family, table, _, _), view, failure in zip(batch, predicted, failures, strict=True):
             if failure is not None:
                 out.append(failure)
                 continue
-            planned = seen[1] if seen is not None and seen[0] == before else base
-            after = predict(planned, ops) if planned is not None else None
-            if ours and after is not None:
-                self._known[(family, table)] = (before + done, after)  # type: ignore[operator]
-            out.append(after)
+            if ours and view is not None:
+                self._known[(family, table)] = (before + done, view)  # type: ignore[operator]
+            out.append(view)
         if ours and done:
-            for key, (generation, view) in list(self._known.items()):
+            for key, (generation, seen) in list(self._known.items()):
                 if generation == before:  # only our commits happened since that read
-                    self._known[key] = (generation + done, view)
+                    self._known[key] = (generation + done, seen)
         return out

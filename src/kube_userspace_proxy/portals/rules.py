@@ -49,7 +49,7 @@ import re
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar, dataclass_transform
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.model import Path, ProxiedPort, ServicePortName
@@ -160,13 +160,35 @@ def served_families(bind_address: str) -> frozenset[Family]:
     return frozenset({family}) if family else frozenset()
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+_T = TypeVar("_T")
+
+
+@dataclass_transform(frozen_default=True)
+def _frozen(cls: type[_T]) -> type[_T]:
+    """A slots dataclass that is frozen for the type checker (mypy refuses any assignment to
+    a field) but not at run time: a frozen dataclass's `__init__` sets each field through
+    `object.__setattr__`, 2 us of a rule's 3 (tens of thousands are built from scratch)."""
+    return dataclass(slots=True, eq=False)(cls)
+
+
+@functools.lru_cache(maxsize=1024)
+def _safe_comment(comment: str) -> bool:
+    # Cached: the 3-6 rules of a service port share their comment.
+    return _SAFE_COMMENT.fullmatch(comment) is not None
+
+
+_set = object.__setattr__
+
+
+@_frozen
 class Rule:
     """One iptables rule; `line` is exactly what `iptables-save` prints for it.
 
     Built-in chain jumps (`chain` PREROUTING/OUTPUT/INPUT, `target` one of ours) set `prepend`
     when they must come before anything else in that chain. Two rules are equal when they are
-    the same text in the same chain of the same table and family.
+    the same text in the same chain of the same table and family. Immutable (see `_frozen`):
+    its text and hash are computed once, at construction, which also refuses an unsafe
+    comment (`_SAFE_COMMENT`), so no rule can carry one.
     """
 
     family: Family
@@ -194,39 +216,37 @@ class Rule:
     _hash: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not _SAFE_COMMENT.fullmatch(self.comment):
-            raise ValueError(f"unsafe rule comment {self.comment[:80]!r}")
+        comment = self.comment
+        if len(comment) > 255 or not _safe_comment(comment):
+            raise ValueError(f"unsafe rule comment {comment[:80]!r}")
         # Rendered once: a sync compares tens of thousands of rules by their text.
-        parts: list[str] = []
-        if self.dst:
-            parts += ["-d", self.dst]
-        if self.protocol:
-            parts += ["-p", self.protocol]
-        parts += ["-m", "comment", "--comment", f'"{self.comment}"']
+        protocol, target = self.protocol, self.target
+        spec = f"-d {self.dst} " if self.dst else ""
+        if protocol:
+            spec += f"-p {protocol} "
+        spec += f'-m comment --comment "{comment}"'
         if self.dport_hi:
-            parts += ["-m", self.protocol, "--dport", f"{self.dport}:{self.dport_hi}"]
+            spec += f" -m {protocol} --dport {self.dport}:{self.dport_hi}"
         elif self.dport:
-            parts += ["-m", self.protocol, "--dport", str(self.dport)]
+            spec += f" -m {protocol} --dport {self.dport}"
         if self.physdev_not_in:
-            parts += ["-m", "physdev", "!", "--physdev-is-in"]
+            spec += " -m physdev ! --physdev-is-in"
         if self.dst_local:
-            parts += ["-m", "addrtype", "--dst-type", "LOCAL"]
+            spec += " -m addrtype --dst-type LOCAL"
         if self.state_new:
-            parts += ["-m", "state", "--state", "NEW"]
-        if self.ctstate:
-            negated = self.ctstate.startswith("!")
-            parts += ["-m", "conntrack", *(["!"] if negated else []), "--ctstate"]
-            parts.append(self.ctstate.removeprefix("!"))
-        parts += ["-j", self.target]
-        if self.target == "REDIRECT":
-            parts += ["--to-ports", str(self.to_port)]
-        elif self.target == "REJECT":
-            parts += ["--reject-with", self.reject_with]
-        elif self.target == "DNAT":
-            parts += ["--to-destination", join_host_port(self.to_addr, self.to_port)]
-        spec = " ".join(parts)
-        object.__setattr__(self, "spec", spec)
-        object.__setattr__(self, "_hash", hash((self.family, self.table, self.chain, spec)))
+            spec += " -m state --state NEW"
+        if ctstate := self.ctstate:
+            negated = ctstate.startswith("!")
+            spec += f" -m conntrack {'! ' if negated else ''}--ctstate {ctstate.removeprefix('!')}"
+        spec += f" -j {target}"
+        if target == "REDIRECT":
+            spec += f" --to-ports {self.to_port}"
+        elif target == "REJECT":
+            spec += f" --reject-with {self.reject_with}"
+        elif target == "DNAT":
+            spec += f" --to-destination {join_host_port(self.to_addr, self.to_port)}"
+        _set(self, "spec", spec)
+        _set(self, "_hash", hash((self.family, self.table, self.chain, spec)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -357,183 +377,162 @@ def _destination(ip: str) -> tuple[Family, str] | None:
     return None
 
 
-_Match = dict[str, Any]
-"""The fields of a portal rule's match part (family, table, comment, protocol, dst, dport,
-and perhaps physdev_not_in or dst_local), to build its rules from."""
+_SHARD_CHAINS = {base: tuple(shard_chain(base, i) for i in range(SHARDS)) for base in SHARDED}
+"""Every shard's chain name, formatted once (`shard_chain`)."""
 
 
 @functools.lru_cache(maxsize=64)
-def _host_ip(settings: Settings, family: Family) -> str:
-    return settings.host_ip(family)
+def _host_ips(settings: Settings) -> dict[Family, str]:
+    return {4: settings.host_ip(4), 6: settings.host_ip(6)}
 
 
 class _Renderer:
-    """Accumulates the rules of one service port after another, skipping duplicates."""
+    """Accumulates the rules of one service port, skipping duplicates."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, pp: ProxiedPort) -> None:
         self.s = settings
+        self.served = served_families(settings.bind_address)
         self.rules: list[Rule] = []
         self.skipped: list[tuple[ServicePortName, str]] = []
         """ClusterIPs left without rules because the proxy ports do not serve their family."""
         self._seen: set[Rule] = set()
-
-    @staticmethod
-    def ch(base: str, dst: str, dport: int) -> str:
-        """The shard of entry chain `base` that a rule for `dst` and `dport` goes to."""
-        return shard_chain(base, shard_for(base, dst, dport))
+        info = pp.info
+        self.name = str(info.name)
+        """The comment of every rule of the port (`Rule` refuses an unsafe one)."""
+        self.proto = info.protocol.lower()
+        self.dport = info.port
 
     def add(self, rule: Rule) -> None:
         if rule not in self._seen:
             self._seen.add(rule)
             self.rules.append(rule)
 
-    def container(self, match: _Match, chain: str, to_port: int, why: str) -> None:
-        """A rule for arriving packets: REDIRECT, or DNAT to a specific bind address."""
-        bind, chain = self.s.bind_address, self.ch(chain, match["dst"], match["dport"])
-        if bind in _WILDCARDS:
-            self.add(Rule(chain=chain, target="REDIRECT", to_port=to_port, why=why, **match))
-        else:
-            self.add(
-                Rule(chain=chain, target="DNAT", to_port=to_port, to_addr=bind, why=why, **match)
-            )
+    def container(
+        self,
+        base: str,
+        to: tuple[Family, str],
+        dport: int,
+        to_port: int,
+        why: str,
+        *,
+        physdev_not_in: bool = False,
+        dst_local: bool = False,
+    ) -> None:
+        """A rule for arriving packets to `to` (family, `-d` text): REDIRECT, or DNAT to a
+        specific bind address."""
+        family, dst = to
+        chain = _SHARD_CHAINS[base][shard_for(base, dst, dport)]
+        bind = self.s.bind_address
+        target, to_addr = ("REDIRECT", "") if bind in _WILDCARDS else ("DNAT", bind)
+        self.add(
+            Rule(family, NAT, chain, target, self.name, self.proto, dst, dport, 0,
+                 physdev_not_in, dst_local, to_port=to_port, to_addr=to_addr, why=why)
+        )  # fmt: skip
 
-    def host(self, match: _Match, chain: str, to_port: int, why: str) -> None:
+    def host(
+        self, base: str, to: tuple[Family, str], dport: int, to_port: int, why: str, *,
+        dst_local: bool = False,
+    ) -> None:  # fmt: skip
         """A rule for the node's own packets: DNAT to the node IP (or the bind address)."""
-        to_addr = _host_ip(self.s, match["family"])
-        chain = self.ch(chain, match["dst"], match["dport"])
+        family, dst = to
+        to_addr = _host_ips(self.s)[family]
         if to_addr:
-            why = f"{why} via {to_addr}"
+            chain = _SHARD_CHAINS[base][shard_for(base, dst, dport)]
             self.add(
-                Rule(chain=chain, target="DNAT", to_port=to_port, to_addr=to_addr, why=why, **match)
-            )
+                Rule(family, NAT, chain, "DNAT", self.name, self.proto, dst, dport, 0, False,
+                     dst_local, to_port=to_port, to_addr=to_addr, why=f"{why} via {to_addr}")
+            )  # fmt: skip
 
-    def match(self, ip: str, pp: ProxiedPort) -> _Match | None:
-        """The match part of a portal rule for `ip`, or None if this proxy cannot serve it."""
+    def destination(self, ip: str) -> tuple[Family, str] | None:
+        """(family, `-d` text) of a portal address, or None if this proxy cannot serve it."""
         dst = _destination(ip)
-        if dst is None or dst[0] not in served_families(self.s.bind_address):
-            return None
-        info = pp.info
-        return {
-            "family": dst[0],
-            "table": NAT,
-            "comment": str(info.name),
-            "protocol": info.protocol.lower(),
-            "dst": dst[1],
-            "dport": info.port,
-        }
+        return dst if dst is not None and dst[0] in self.served else None
 
     def port(self, pp: ProxiedPort) -> None:
-        info, name, cport, ext = pp.info, str(pp.info.name), pp.cluster_port, pp.external_port
+        info, name, cport, ext = pp.info, self.name, pp.cluster_port, pp.external_port
         if cport == 0:
             return
         proto = info.protocol.upper()
         if self.s.guard:
-            for family in sorted(served_families(self.s.bind_address)):
+            for family in sorted(self.served):
                 for port in sorted({cport, ext} - {0}):
-                    self.guard(family, pp, port)
+                    self.guard(family, port)
         families: set[Family] = set()
         for ip in info.cluster_ips:
-            if (m := self.match(ip, pp)) is None:
+            if (d := self.destination(ip)) is None:
                 if ip_family(ip) is not None:
                     self.skipped.append((info.name, ip))
                 continue
-            families.add(m["family"])
+            families.add(d[0])
             at = f"{proto} to ClusterIP {join_host_port(ip, info.port)} ({name})"
-            self.container(m, CONTAINER_PORTALS, cport, f"from pods: {at} -> proxy port {cport}")
-            self.host(m, HOST_PORTALS, cport, f"from this node: {at} -> proxy port {cport}")
+            self.container(
+                CONTAINER_PORTALS, d, info.port, cport, f"from pods: {at} -> proxy port {cport}"
+            )
+            self.host(HOST_PORTALS, d, info.port, cport,
+                      f"from this node: {at} -> proxy port {cport}")  # fmt: skip
         if ext == 0:
             return
         for ip in info.load_balancer_ips:
-            if (m := self.match(ip, pp)) is None or m["family"] not in families:
+            if (d := self.destination(ip)) is None or d[0] not in families:
                 continue
             at = f"{proto} to LoadBalancer IP {join_host_port(ip, info.port)} ({name})"
-            self.container(
-                m, CONTAINER_PORTALS, ext, f"from pods and the network: {at} -> proxy port {ext}"
-            )
-            self.host(m, HOST_PORTALS, ext, f"from this node: {at} -> proxy port {ext}")
+            why = f"from pods and the network: {at} -> proxy port {ext}"
+            self.container(CONTAINER_PORTALS, d, info.port, ext, why)
+            self.host(HOST_PORTALS, d, info.port, ext,
+                      f"from this node: {at} -> proxy port {ext}")  # fmt: skip
         for ip in info.external_ips:
-            if (m := self.match(ip, pp)) is None or m["family"] not in families:
+            if (d := self.destination(ip)) is None or d[0] not in families:
                 continue
             at = f"{proto} to external IP {join_host_port(ip, info.port)} ({name})"
             if self.s.physdev:
-                self.container(
-                    {**m, "physdev_not_in": True},
-                    CONTAINER_PORTALS,
-                    ext,
-                    f"from the network (not via a bridge port): {at} -> proxy port {ext}",
-                )
+                self.container(CONTAINER_PORTALS, d, info.port, ext,
+                               f"from the network (not via a bridge port): {at} -> proxy port"
+                               f" {ext}", physdev_not_in=True)  # fmt: skip
             else:
-                self.container(
-                    m,
-                    CONTAINER_PORTALS,
-                    ext,
-                    f"from pods and the network: {at} -> proxy port {ext}",
-                )
-            local: _Match = {**m, "dst_local": True}
-            self.container(
-                local,
-                CONTAINER_PORTALS,
-                ext,
-                f"from pods, when the IP is this node's: {at} -> proxy port {ext}",
-            )
-            self.host(
-                local,
-                HOST_PORTALS,
-                ext,
-                f"from this node, when the IP is its own: {at} -> proxy port {ext}",
-            )
+                self.container(CONTAINER_PORTALS, d, info.port, ext,
+                               f"from pods and the network: {at} -> proxy port {ext}")  # fmt: skip
+            self.container(CONTAINER_PORTALS, d, info.port, ext,
+                           f"from pods, when the IP is this node's: {at} -> proxy port {ext}",
+                           dst_local=True)  # fmt: skip
+            self.host(HOST_PORTALS, d, info.port, ext,
+                      f"from this node, when the IP is its own: {at} -> proxy port {ext}",
+                      dst_local=True)  # fmt: skip
         if info.node_port:
             for family in sorted(families):
                 self.node_port(family, pp)
 
-    def guard(self, family: Family, pp: ProxiedPort, port: int) -> None:
-        proto = pp.info.protocol.lower()
+    def guard(self, family: Family, port: int) -> None:
+        proto = self.proto
         if proto == "tcp":
             reject = "tcp-reset"
         else:
             reject = "icmp6-port-unreachable" if family == 6 else "icmp-port-unreachable"
+        chain = _SHARD_CHAINS[PROXY_PORTS][port // PORTS_PER_SHARD]
         self.add(
-            Rule(family, FILTER, self.ch(PROXY_PORTS, "", port), "REJECT", str(pp.info.name),
-                 protocol=proto, dport=port, reject_with=reject,
+            Rule(family, FILTER, chain, "REJECT", self.name, proto, dport=port,
+                 reject_with=reject,
                  why=f"refuse {proto.upper()} connections made straight to proxy port {port}"
-                 f" ({pp.info.name}): only the nat rules may send traffic there")
+                 f" ({self.name}): only the nat rules may send traffic there")
         )  # fmt: skip
 
     def node_port(self, family: Family, pp: ProxiedPort) -> None:
-        np, ext, name = pp.info.node_port, pp.external_port, str(pp.info.name)
-        proto = pp.info.protocol.lower()
+        np, ext, name, proto = pp.info.node_port, pp.external_port, self.name, self.proto
         dsts = self.s.nodeport_dsts(family)
         for dst in dsts:
             where = f"local addresses in {dst}" if dst else "any local address"
             at = f"{proto.upper()} to NodePort {np} on {where} ({name})"
-            m: _Match = {
-                "family": family,
-                "table": NAT,
-                "comment": name,
-                "protocol": proto,
-                "dst": dst,
-                "dport": np,
-            }
-            self.container(
-                m, CONTAINER_NODEPORTS, ext, f"from pods and the network: {at} -> proxy port {ext}"
-            )
-            self.host(m, HOST_NODEPORTS, ext, f"from this node: {at} -> proxy port {ext}")
+            why = f"from pods and the network: {at} -> proxy port {ext}"
+            self.container(CONTAINER_NODEPORTS, (family, dst), np, ext, why)
+            self.host(HOST_NODEPORTS, (family, dst), np, ext,
+                      f"from this node: {at} -> proxy port {ext}")  # fmt: skip
         if dsts:
+            chain = _SHARD_CHAINS[NON_LOCAL_NODEPORTS][ext // PORTS_PER_SHARD]
             self.add(
-                Rule(
-                    family,
-                    FILTER,
-                    self.ch(NON_LOCAL_NODEPORTS, "", ext),
-                    "ACCEPT",
-                    name,
-                    protocol=proto,
-                    dport=ext,
-                    state_new=True,
-                    ctstate="DNAT",
-                    why=f"accept new {proto.upper()} connections to proxy port {ext}"
-                    f" (NodePort {np} of {name}) even under a default-deny INPUT policy",
-                )
-            )
+                Rule(family, FILTER, chain, "ACCEPT", name, proto, dport=ext, state_new=True,
+                     ctstate="DNAT",
+                     why=f"accept new {proto.upper()} connections to proxy port {ext}"
+                     f" (NodePort {np} of {name}) even under a default-deny INPUT policy")
+            )  # fmt: skip
 
 
 def render_port(
@@ -541,7 +540,7 @@ def render_port(
 ) -> tuple[tuple[Rule, ...], list[tuple[ServicePortName, str]]]:
     """One service port's rules, each in its shard (`shard_for`), without duplicates; and
     (service port, ClusterIP) for each ClusterIP of a family the proxy ports do not serve."""
-    r = _Renderer(settings)
+    r = _Renderer(settings, pp)
     try:
         r.port(pp)
     except ValueError as exc:  # one bad port never fails the whole table's commit
