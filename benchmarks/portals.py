@@ -5,18 +5,29 @@ the nft tables) and each size, in a network namespace created for the run (and d
 one `Portals` is taken through these applies, each timed:
 
 - `scratch`: the first apply of N service ports into empty tables (rendering them included);
-- `move one`: one service port moved to another proxy port;
+- `move one`: one service port moved to another proxy port, the one the proxy's
+  `PortAllocator` would hand out next (its cursor: the next free port after the last one
+  given, here 20000 + N), so its filter rule lands in a port shard in use, as 255 moves in
+  256 do;
 - `no-op resync`: nothing changed (the periodic resync: the cheap tamper check);
+- `move one, new shard`: the same port moved far from every port in use (the worst case:
+  the filter commit also creates a port shard and its jump);
 - `remove one`, then `add one` (it comes back);
 - `foreign commit`: nothing of ours changed, but someone else committed a rule (in nft mode
   the generation moved, so the cheap check reads the jumps and our entry chains);
 - `full verify`: an apply that reads and compares every chain (`--iptables-verify-period`).
 
+Each apply is timed to the moment the change is live. Where the code commits the deletes that
+can wait in a second commit (`Portals.commit_deferred`, as the proxier runs it right after),
+that commit is timed on its own: `move one: deletes`, `move one, new shard: deletes`, `remove
+one: deletes` (absent for a baseline without it).
+
 Service ports are ClusterIP TCP (a container, a host and a guard rule each); every fifth also
-has a NodePort (three more rules). The proxier hands over the same `ServicePortInfo` objects
-while a Service is unchanged, and so does this. Each figure is the median of `--repeat` runs;
-every run starts from empty tables. `--baseline-src` times another checkout's code first, in
-the same run (e.g. `git worktree add /tmp/base 6a9c8c4`, then `--baseline-src /tmp/base/src`).
+has a NodePort (three more rules). The proxier hands over the same `ServicePortInfo` and
+`ProxiedPort` objects while a service port is unchanged, and so does this. Each figure is the
+median of `--repeat` runs; every run starts from empty tables. `--baseline-src` times another
+checkout's code first, in the same run (e.g. `git worktree add /tmp/base 6a9c8c4`, then
+`--baseline-src /tmp/base/src`); the steps are this file's, so the figures compare.
 Needs root; touches nothing outside its namespaces.
 
     sudo .venv/bin/python benchmarks/portals.py [--sizes 1000,10000] [--repeat 3]
@@ -51,20 +62,40 @@ def infos(n: int) -> list[Any]:
     return out
 
 
-def ports(facts: list[Any], moved: int = -1, drop: int = -1) -> list[Any]:
-    """ProxiedPorts (fresh objects, as the proxier builds them each sync) for `facts`; the
-    port at index `moved` gets another proxy port, the one at `drop` is left out."""
+_TARGETS: dict[tuple[int, int], Any] = {}
+
+
+def ports(facts: list[Any], moved: int = -1, to: int = 0, drop: int = -1) -> list[Any]:
+    """ProxiedPorts for `facts`, on proxy ports 20000 + i; the port at index `moved` gets
+    proxy port `to` instead, the one at `drop` is left out. A service port keeps its
+    ProxiedPort object while its proxy port is unchanged, as the proxier keeps it
+    (`_Served.target`)."""
     from kube_userspace_proxy.model import ProxiedPort
 
     out = []
     for i, info in enumerate(facts):
         if i != drop:
-            port = 20000 + i + (30000 if i == moved else 0)
-            out.append(ProxiedPort(info, port, port))
+            port = to if i == moved else 20000 + i
+            target = _TARGETS.get((i, port))
+            if target is None or target.info is not info:
+                target = _TARGETS[(i, port)] = ProxiedPort(info, port, port)
+            out.append(target)
     return out
 
 
-LABELS = ("scratch", "move one", "no-op resync", "remove one", "add one", "foreign commit")
+LABELS = (
+    "scratch",
+    "move one",
+    "no-op resync",
+    "move one, new shard",
+    "remove one",
+    "add one",
+    "foreign commit",
+)
+DEFERRED = ("move one", "move one, new shard", "remove one")
+"""Steps whose second commit (the deletes that can wait) is timed as `LABEL: deletes`."""
+COLUMNS = (*LABELS[:2], "move one: deletes", *LABELS[2:4], "move one, new shard: deletes",
+           LABELS[4], "remove one: deletes", *LABELS[5:], "full verify")  # fmt: skip
 FOREIGN = {
     "iptc": ["iptables-legacy", "-t", "filter", "-A", "FORWARD", "-j", "ACCEPT"],
     "restore": ["iptables-nft", "-t", "filter", "-A", "FORWARD", "-j", "ACCEPT"],
@@ -78,14 +109,19 @@ def worker(backend: str, size: int, repeat: int) -> dict[str, Any]:
 
     logs.setup(0)
     facts = infos(size)
-    base, moved = ports(facts), ports(facts, moved=size // 2)
-    removed = ports(facts, moved=size // 2, drop=size // 3)
-    times: dict[str, list[float]] = {label: [] for label in (*LABELS, "full verify")}
+    m = size // 2
+    base = ports(facts)
+    moved = ports(facts, moved=m, to=20000 + size)  # the allocator's next port
+    far = ports(facts, moved=m, to=50000 + m)  # beyond every port in use: a new port shard
+    removed = ports(facts, moved=m, to=50000 + m, drop=size // 3)
+    times: dict[str, list[float]] = {label: [] for label in COLUMNS}
     rules = 0
     for _ in range(repeat):
         cleanup_all()
         portals = Portals(make_backend(backend), node_ips=("10.244.0.1",), physdev=True)
-        steps = zip(LABELS, (base, moved, moved, removed, moved, moved), strict=True)
+        # A baseline checkout may have no second commit: its applies delete at once.
+        deferred = getattr(portals, "commit_deferred", None)
+        steps = zip(LABELS, (base, moved, moved, far, removed, far, far), strict=True)
         for label, state in steps:
             if label == "foreign commit":  # someone else's rule: the cheap check runs
                 subprocess.run(FOREIGN[backend], check=True)
@@ -94,10 +130,15 @@ def worker(backend: str, size: int, repeat: int) -> dict[str, Any]:
             times[label].append(time.perf_counter() - started)
             if label == "scratch":  # counted after: rendered before, the apply would not render
                 rules = len(portals.render(base))
+            if deferred is not None:
+                started = time.perf_counter()
+                deferred()
+                if label in DEFERRED:
+                    times[f"{label}: deletes"].append(time.perf_counter() - started)
         if hasattr(portals, "verify_period"):  # a full read and compare of every chain
             portals.verify_period = 0.0
             started = time.perf_counter()
-            portals.apply(moved)
+            portals.apply(far)
             times["full verify"].append(time.perf_counter() - started)
     return {
         "backend": make_backend(backend).name,  # type: ignore[union-attr]
@@ -176,7 +217,7 @@ def main() -> int:
         print(json.dumps({"machine": machine(), "results": results}, indent=2))
         return 0
     print(f"machine: {machine()}; median of {args.repeat} runs\n")
-    labels = [label for label in (*LABELS, "full verify") if any(label in r for r in results)]
+    labels = [label for label in COLUMNS if any(label in r for r in results)]
     print("| code | backend | service ports | rules | " + " | ".join(labels) + " |")
     print("|---|---|---:|---:|" + "---:|" * len(labels))
     for r in results:
