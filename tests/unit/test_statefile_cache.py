@@ -126,3 +126,25 @@ def test_a_sliced_encode_gives_the_loop_turns_and_the_same_document() -> None:
         return data
 
     assert b"".join(asyncio.run(run())) == statefile.encode(snapshot, ports)
+
+
+def test_the_encoder_yields_every_few_entries_it_encodes_anew() -> None:
+    """Changed entries cost far more than unchanged ones: a step holds at most ENCODE_STEP
+    of them, so a save after a storm of changes still gives the loop its turns."""
+    snapshot = _snapshot(1000)
+    encoder = statefile.Encoder()
+    statefile.encode(snapshot, {}, encoder)
+    changed = replace(
+        snapshot,
+        endpoints=MappingProxyType({n: (Endpoint("10.244.2.7", 8080),) for n in snapshot.services}),
+    )
+    steps = encoder.steps(changed, {})
+    yields = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration:
+            break
+        yields += 1
+    assert yields >= 1000 // statefile.ENCODE_STEP
+    assert statefile.encode(changed, {}, encoder) == statefile.encode(changed, {})
