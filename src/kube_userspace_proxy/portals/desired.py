@@ -38,8 +38,13 @@ _ChainKey = tuple[Family, str, str]
 """(family, table, chain)."""
 
 
-def _order(name: ServicePortName) -> tuple[str, str, str, str]:
-    return (name.namespace, name.name, name.port, name.protocol)  # a plain tuple sorts in C
+_Order = tuple[str, str, str, str]
+"""A service port name as a plain tuple of strings: it sorts, and hashes, in C (a
+`ServicePortName`'s hash is a Python call), and its order is the rules' order in a shard."""
+
+
+def _order(name: ServicePortName) -> _Order:
+    return (name.namespace, name.name, name.port, name.protocol)
 
 
 class Desired:
@@ -54,7 +59,8 @@ class Desired:
     def _reset(self) -> None:
         self._ports: dict[ServicePortName, ProxiedPort] = {}
         self._rules: dict[ServicePortName, tuple[Rule, ...]] = {}
-        self._members: dict[_ChainKey, dict[ServicePortName, tuple[Rule, ...]]] = {}
+        self._members: dict[_ChainKey, dict[_Order, tuple[Rule, ...]]] = {}
+        """Per shard chain, the rules of each service port in it."""
         self._shards: dict[tuple[Family, str], dict[str, tuple[Rule, ...]]] = {}
         self._entries: dict[_ChainKey, dict[int, tuple[tuple[str, ...], tuple[Rule, ...]]]] = {}
         """Per entry chain, the jumps to each of its shards in use (and the protocols of a port
@@ -99,17 +105,22 @@ class Desired:
         dirty: set[_ChainKey] = set()
         for name in removed:
             self._forget(name, dirty)
+        members = self._members
         for pp in changed:
             name = pp.info.name
-            self._forget(name, dirty)
+            if name in self._rules:
+                self._forget(name, dirty)
             rules, skipped = render_port(pp, self.settings)
-            self.skipped += skipped
+            if skipped:
+                self.skipped += skipped
             self._rules[name] = rules
-            by_chain: dict[_ChainKey, list[Rule]] = {}
+            order = _order(name)
             for rule in rules:
-                by_chain.setdefault((rule.family, rule.table, rule.chain), []).append(rule)
-            for key, chain_rules in by_chain.items():
-                self._members.setdefault(key, {})[name] = tuple(chain_rules)
+                key = (rule.family, rule.table, rule.chain)
+                if (chain := members.get(key)) is None:
+                    chain = members[key] = {}
+                have = chain.get(order)
+                chain[order] = (rule,) if have is None else (*have, rule)
                 dirty.add(key)
         entries: set[_ChainKey] = set()
         for key in dirty:
@@ -122,9 +133,10 @@ class Desired:
         return len(changed) + len(removed)
 
     def _forget(self, name: ServicePortName, dirty: set[_ChainKey]) -> None:
+        order = _order(name)
         for rule in self._rules.pop(name, ()):
             key = (rule.family, rule.table, rule.chain)
-            if self._members.get(key, {}).pop(name, None) is not None:
+            if self._members.get(key, {}).pop(order, None) is not None:
                 dirty.add(key)
 
     def _rebuild(self, key: _ChainKey, entries: set[_ChainKey]) -> None:
@@ -137,8 +149,8 @@ class Desired:
         entry = self._entries.setdefault((family, table, base), {})
         index = int(chain[-2:], 16)
         if members:
-            names = sorted(members, key=_order)
-            rules = shards[chain] = tuple(chain_of.from_iterable(members[name] for name in names))
+            ports = sorted(members)
+            rules = shards[chain] = tuple(chain_of.from_iterable(map(members.__getitem__, ports)))
             protocols = () if base in DST_SHARDED else tuple(sorted({r.protocol for r in rules}))
             have = entry.get(index)
             if have is not None and have[0] == protocols:
