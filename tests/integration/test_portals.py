@@ -600,3 +600,43 @@ def test_rules_of_the_layout_before_shards_are_read_back_then_replaced(
         ["ns0/svc0:p", "TCP", "external", 41000],
     ]
     assert tables(node, backend) == fresh_install(node.name, backend, 30)
+
+
+# Runs inside the namespace: one commit_many of a large good nat input and a filter input that
+# iptables-restore refuses (a delete of a rule that is not there).
+BATCH = textwrap.dedent(
+    """
+    import json
+    from kube_userspace_proxy.errors import PortalsError
+    from kube_userspace_proxy.portals.plan import Append, Delete, ResetChain
+    from kube_userspace_proxy.portals.restore import RestoreBackend
+    from kube_userspace_proxy.portals.rules import Rule
+    chain = "KUBE-PORTALS-HOST-01"
+    rules = [
+        Rule(4, "nat", chain, "DNAT", "ns/svc%d:p" % i, "tcp",
+             "10.96.%d.%d/32" % (i // 250, i % 250 + 1), 80, to_port=20000 + i,
+             to_addr="10.244.0.1")
+        for i in range(3000)
+    ]
+    good = [ResetChain(chain), *(Append(r) for r in rules)]
+    bad = [Delete("INPUT", 0, "-p tcp -m comment --comment not-there -j ACCEPT")]
+    out = RestoreBackend("nft").commit_many([(4, "nat", good, None), (4, "filter", bad, None)])
+    print(json.dumps([isinstance(o, PortalsError) and str(o) for o in out]))
+    """
+)
+
+
+def test_a_large_input_commits_and_a_refused_table_fails_alone(node: Netns) -> None:
+    # 3,000 rules (~400 KB) from a memfd, beside a table whose input is refused.
+    nat_error, filter_error = json.loads(node.python(BATCH, timeout=120))
+    assert nat_error is False
+    assert filter_error and "iptables-nft-restore" in filter_error
+    lines = node.run("iptables-nft-save", "-t", "nat").splitlines()
+    assert len([line for line in lines if line.startswith("-A KUBE-PORTALS-HOST-01 ")]) == 3000
+    assert (
+        lines.count(  # the last line of the input arrived whole
+            '-A KUBE-PORTALS-HOST-01 -d 10.96.11.250/32 -p tcp -m comment --comment "ns/svc2999:p"'
+            " -m tcp --dport 80 -j DNAT --to-destination 10.244.0.1:22999"
+        )
+        == 1
+    )
