@@ -116,6 +116,8 @@ class Proxy:
         self._saved: Snapshot | None = None
         self._unsaved = False
         self._encoder = statefile.Encoder()  # the state file, kept encoded between saves
+        self._saved_ports: tuple[int, statefile.Ports] | None = None
+        """The rule generation and the proxy-port mapping of the last save."""
         self._saver: asyncio.Task[None] | None = None
         self._apply_wanted = asyncio.Event()
         self._applied_once = False
@@ -427,7 +429,13 @@ class Proxy:
             ):
                 continue
             self._saved = snapshot
-            ports = await _ports_sliced(self.proxier.proxied_ports())
+            # The proxy ports change only with a rule target (never in an endpoint storm):
+            # the same mapping is kept until then, so the encoder need not look through it.
+            generation = self.proxier.rules_generation
+            if self._saved_ports is None or self._saved_ports[0] != generation:
+                ports = await _ports_sliced(self.proxier.proxied_ports())
+                self._saved_ports = (generation, ports)
+            ports = self._saved_ports[1]
             data = await statefile.encode_sliced(self._encoder, snapshot, ports)
             try:
                 await asyncio.to_thread(statefile.write, self.config.state_dir, data)

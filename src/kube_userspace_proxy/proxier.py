@@ -607,6 +607,7 @@ class Proxier:
             raise
         if fresh:
             served.target = None
+            self._rules_gen += 1  # a new proxy port: its rules, and the state file's ports
         if new:
             self._served[name] = served
         self._point_node_ports(served)

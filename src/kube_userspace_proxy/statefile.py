@@ -80,6 +80,9 @@ class Encoder:
         self._order: list[ServicePortName] = []
         self._lines: dict[tuple[tuple[str, str, str], int], bytes] = {}
         self._port_order: list[tuple[str, str, str]] = []
+        self._ports_seen: Ports | None = None
+        """The proxy-port mapping of the last encode: the very same object is not looked
+        through again (the caller makes a new mapping whenever a proxy port changes)."""
 
     @property
     def entries(self) -> dict[ServicePortName, bytes]:
@@ -89,7 +92,8 @@ class Encoder:
     def steps(self, snapshot: Snapshot, ports: Ports) -> Generator[None, None, list[bytes]]:
         """Encode `snapshot` and `ports`, yielding after every STEP items or single large
         step (so that an event loop gets turns in between); the generator returns the
-        document as pieces to write one after the other."""
+        document as pieces to write one after the other. `ports` is taken as unchanged when
+        it is the very mapping of the last call: never change one in place."""
         entries = self._entries
         services = snapshot.services
         reorder = False
@@ -142,9 +146,18 @@ class Encoder:
             pieces.append(entries[name][2])
             if count % STEP == 0:
                 yield
-        if len(ports) != len(self._port_order) or any(k not in ports for k in self._port_order):
-            self._port_order = sorted(ports)
-            yield
+        if ports is not self._ports_seen:
+            reorder = len(ports) != len(self._port_order)
+            for count, key in enumerate(self._port_order, 1):
+                if reorder:
+                    break
+                reorder = key not in ports
+                if count % STEP == 0:
+                    yield
+            if reorder:
+                self._port_order = sorted(ports)
+                yield
+            self._ports_seen = ports
         pieces.append(b'],"proxyPorts":[')
         lines = self._lines
         for count, key in enumerate(self._port_order, 1):
