@@ -23,7 +23,7 @@ from kube_userspace_proxy import collector, handover, logs, netutil, statefile
 from kube_userspace_proxy import kubeproxyconfig as kpc
 from kube_userspace_proxy.config import ProxyConfig, effective_document
 from kube_userspace_proxy.errors import ProxyError
-from kube_userspace_proxy.health import ProxyHealth
+from kube_userspace_proxy.health import ProxyHealth, watch_lag
 from kube_userspace_proxy.metrics import ProxyMetrics, SourceCounters
 from kube_userspace_proxy.model import ProxiedPort, Snapshot
 from kube_userspace_proxy.ops import OpsServer, start_ops
@@ -670,6 +670,7 @@ async def _serve(
         asyncio.create_task(proxy.runner.loop(), name="sync"),
         asyncio.create_task(proxy.apply_loop(), name="apply"),
         asyncio.create_task(proxy.health.heartbeat(), name="heartbeat"),  # for /livez
+        asyncio.create_task(watch_lag(proxy.metrics.loop_lag), name="loop-lag"),
     ]
     if config.state_dir:  # the next process takes over from this one
         giver = _Giver(proxy, stop)

@@ -218,6 +218,10 @@ def _port_labels(name: ServicePortName) -> str:
     return ",".join(f'{k}="{_escape(v)}"' for k, v in zip(PORT_LABELS, values, strict=True))
 
 
+_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+"""Loop-lag buckets: fine around the 20 ms a control loop should stay under."""
+
+
 def _exponential(start: float, factor: float, count: int) -> list[float]:
     return [start * factor**i for i in range(count)]
 
@@ -408,6 +412,12 @@ class ProxyMetrics:
             buckets=_PROGRAMMING_BUCKETS,
             registry=base,
         )
+        self._loop_lag = Histogram(
+            PREFIX + "event_loop_lag_seconds",
+            "How late a timer fired on the control process's event loop (sampled every 20 ms)",
+            buckets=_LAG_BUCKETS,
+            registry=base,
+        )
         self._endpoints_pending = Gauge(
             "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
             "Pending proxy rules Endpoint changes",
@@ -510,6 +520,10 @@ class ProxyMetrics:
             self._services_total.inc(services)
         if endpoints:
             self._endpoints_total.inc(endpoints)
+
+    def loop_lag(self, seconds: float) -> None:
+        """One sample of the control loop's lag (`health.watch_lag`)."""
+        self._loop_lag.observe(seconds)
 
     def network_programming(self, seconds: float) -> None:
         """Time from an endpoint change (its trigger time) to the sync that applied it."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from datetime import datetime
 
-from kube_userspace_proxy.health import LOOP_STALL_SECONDS, ProxyHealth, rfc3339
+from kube_userspace_proxy.health import LOOP_STALL_SECONDS, ProxyHealth, rfc3339, watch_lag
 
 SYNC_PERIOD = 30.0
 START = 1_700_000_000.0
@@ -152,3 +155,48 @@ def test_livez_fails_when_the_event_loop_misses_its_heartbeat() -> None:
     assert health.livez()[0] == 503
     health.beat()
     assert health.livez()[0] == 200
+
+
+def test_watch_lag_observes_how_late_its_timer_fires() -> None:
+    """Samples are near zero on an idle loop; a loop held for 80 ms yields one of ~80 ms."""
+
+    async def main() -> list[float]:
+        seen: list[float] = []
+        task = asyncio.create_task(watch_lag(seen.append, interval=0.01, idle_interval=0.01))
+        await asyncio.sleep(0.1)
+        time.sleep(0.08)  # the stall under test
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return seen
+
+    seen = asyncio.run(main())
+    assert len(seen) >= 8
+    assert max(seen) >= 0.06
+    assert sorted(seen)[len(seen) // 2] < 0.03
+
+
+def test_watch_lag_samples_an_idle_loop_rarely_and_a_busy_one_often() -> None:
+    """An idle loop is woken every `idle_interval` only; while it burns CPU, every `interval`."""
+
+    async def main() -> tuple[int, int]:
+        seen: list[float] = []
+        task = asyncio.create_task(watch_lag(seen.append, interval=0.01, idle_interval=0.2))
+        await asyncio.sleep(0.5)
+        idle = len(seen)
+        ends = time.monotonic() + 0.5
+        while time.monotonic() < ends:  # busy: short bursts of CPU, turns in between
+            burst = time.thread_time() + 0.004
+            while time.thread_time() < burst:
+                pass
+            await asyncio.sleep(0)
+        busy = len(seen) - idle
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return idle, busy
+
+    idle, busy = asyncio.run(main())
+    assert idle <= 3
+    assert busy >= 10
