@@ -210,5 +210,6 @@ async def watch_lag(
         await asyncio.sleep(wait)
         now = loop.time()
         observe(max(0.0, now - due))
-        used, cpu = time.thread_time() - cpu, time.thread_time()
+        spent = time.thread_time()
+        used, cpu = spent - cpu, spent
         wait = interval if used > LAG_BUSY_SHARE * (now - due + wait) else idle_interval
