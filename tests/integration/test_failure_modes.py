@@ -130,9 +130,10 @@ def test_a_proxy_port_answers_only_what_the_nat_rules_sent_there(
     objects = [
         *service("web", "10.96.0.10", 80, node_port=30080),
         *service("dns", "10.96.0.53", 53, protocol="UDP"),
+        *service("api", "10.96.0.11", 80),
     ]
     proxy = proxy_factory(objects, *([] if guard else ["--guard-proxy-ports=false"]))
-    proxy.wait_rules('"default/web:p"', '"default/dns:p"')
+    proxy.wait_rules('"default/web:p"', '"default/dns:p"', '"default/api:p"')
     client = proxy.topo.client
     wait_for(lambda: client.ask("tcp", "10.96.0.10", 80)[0] in PODS, "web answering")
     web = _proxy_port(proxy, "KUBE-PORTALS-CONTAINER", "10.96.0.10/32")
@@ -142,12 +143,19 @@ def test_a_proxy_port_answers_only_what_the_nat_rules_sent_there(
     assert set(client.ask("udp", "10.96.0.53", 53, 6)) == set(PODS)
     assert set(client.ask("tcp", NODE_IP, 30080, 6)) == set(PODS)
     # Straight to node-ip:proxy-port from another host (the client namespace).
+    api = _proxy_port(proxy, "KUBE-PORTALS-CONTAINER", "10.96.0.11/32")
     direct_tcp = client.ask("tcp", NODE_IP, web, 3)
     direct_udp = client.ask("udp", NODE_IP, dns, 2)
     if guard:
         assert direct_tcp == ["refused"] * 3
+        assert client.ask("tcp", NODE_IP, api, 2) == ["refused"] * 2
         assert all(answer not in PODS for answer in direct_udp)
-        assert "-j KUBE-PROXY-PORTS" in proxy.save("filter")
+        saved = proxy.save("filter")
+        assert "-j KUBE-PROXY-PORTS" in saved
+        # The two TCP Services' proxy ports, handed out in a row: one guard rule, a range.
+        lo, hi = sorted((web, api))
+        if hi == lo + 1 and lo // 256 == hi // 256:
+            assert f'--comment "proxy ports {lo}-{hi}" -m tcp --dport {lo}:{hi} -j REJECT' in saved
     else:
         assert set(direct_tcp) <= set(PODS)
         assert set(direct_udp) <= set(PODS)

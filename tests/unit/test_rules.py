@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 
@@ -360,8 +360,14 @@ def match(rule: Rule) -> str:
 def takes_as_wanted(table: FakeTable, want: plan.TableRules) -> bool:
     """Every packet meets the rule `want` has for it: in each chain, the first rule with a
     wanted rule's match is that rule, and (nat) every other rule is behind a wanted one with
-    its match (shadowed). Filter may keep rules of released ports (`plan._can_wait`)."""
+    its match (shadowed). Filter may keep rules of released ports (`plan._can_wait`), and a
+    guard shard only has to refuse every port a wanted guard range refuses (the halves of a
+    split range wait with the old range's delete: `plan._covered_guards`)."""
     for chain, rules in want.chains.items():
+        if base_chain(chain) == PROXY_PORTS:
+            if not refused(rules) <= refused(table.chains[chain]):
+                return False
+            continue
         first: dict[str, Rule] = {}
         for r in table.chains[chain]:
             first.setdefault(match(r), r)
@@ -371,6 +377,16 @@ def takes_as_wanted(table: FakeTable, want: plan.TableRules) -> bool:
         if table.table == "nat" and any(first[match(r)] not in wanted for r in first.values()):
             return False
     return True
+
+
+def refused(rules: Iterable[Rule]) -> set[tuple[str, int]]:
+    """(protocol, port) of every port the guard rules among `rules` refuse."""
+    return {
+        (r.protocol, p)
+        for r in rules
+        if r.target == "REJECT"
+        for p in range(r.dport, (r.dport_hi or r.dport) + 1)
+    }
 
 
 def services(indexes: Sequence[int], proxy_base: int = 40000) -> list[ProxiedPort]:
@@ -437,9 +453,14 @@ def test_a_deferred_update_is_live_at_once_and_its_second_commit_leaves_exactly_
     assert {c: list(r) for c, r in step.chains.items()} == {
         c: rules for c, rules in table.chains.items() if is_ours(name, c)
     }
-    # The second, without deferral: only deletes, and then exactly b.
+    # The second, without deferral: only deletes (and the halves of split guard ranges, which
+    # the deleted ranges covered until now), and then exactly b.
     second, _ = sync(table, want, state)
-    assert all(isinstance(op, plan.Delete) for op in second.ops)
+    assert all(
+        isinstance(op, plan.Delete)
+        or (isinstance(op, plan.Append) and base_chain(op.rule.chain) == PROXY_PORTS)
+        for op in second.ops
+    )
     assert len(second.ops) == step.deferred
     assert second.deferred == 0
     assert holds(table, want)
@@ -517,7 +538,11 @@ def test_a_removed_service_port_is_deleted_at_once_from_nat_and_later_from_filte
             assert sum(isinstance(op, plan.Delete) for op in step.ops) == 4
         else:  # its guard and its NodePort ACCEPT harm nothing until the second commit
             assert step.ops == []
-            assert step.deferred == 2
+            # The ACCEPT's delete, and the guard range 40000-40003's delete with the add of
+            # 40001-40003 that replaces it (the old range refuses those ports until then).
+            assert step.deferred == 3
+            held = step.chains[f"{PROXY_PORTS}-9C"]
+            assert [r.spec.split(" -j ")[0].split()[-1] for r in held] == ["40000:40003"]
 
 
 def test_a_moved_port_sharing_its_address_and_port_with_another_service_is_appended() -> None:
@@ -709,8 +734,17 @@ def test_a_move_goes_live_with_inserts_alone_and_commit_deferred_deletes_the_res
     first = len(backend.inputs)
     portals.commit_deferred()
     deletes = [line for text in backend.inputs[first:] for line in text.splitlines()]
-    assert sorted(line.split()[0] for line in deletes if line.startswith("-")) == ["-D"] * 3
+    # nat: the two old rules; filter: the guard range 40000-40029 gives way to 40000-40028
+    # (until this commit, the old range refused its ports).
+    assert sorted(line.split()[0] for line in deletes if line.startswith("-")) == [
+        "-A",
+        *["-D"] * 3,
+    ]
     assert all("40029" in line for line in deletes if line.startswith("-D"))
+    assert [line for line in deletes if line.startswith("-A")] == [
+        '-A KUBE-PROXY-PORTS-9C -p tcp -m comment --comment "proxy ports 40000-40028" -m tcp'
+        " --dport 40000:40028 -j REJECT --reject-with tcp-reset"
+    ]
     assert "*filter" in deletes  # the released port's guard, left for this commit
     commits = portals.commits
     portals.commit_deferred()  # nothing waits any more
@@ -1010,15 +1044,19 @@ def test_every_proxy_port_is_guarded_against_direct_connections() -> None:
     p = ProxiedPort(port(node_port=30080).info, 40001, 40002)
     dns = ServicePortName("default", "dns", "", Protocol.UDP)
     udp = port(name=dns, cluster_ips=("10.96.0.11",), cluster_port=40003)
-    rules = lines([p, udp], chain=PROXY_PORTS)
+    api = port(name=ServicePortName("default", "api", "https"), cluster_ips=("10.96.0.12",),
+               cluster_port=40005)  # fmt: skip
+    rules = lines([p, udp, api], chain=PROXY_PORTS)
+    # Consecutive ports of one protocol share a rule with a port range; a port alone keeps
+    # its own, named after its service port.
     assert sorted(rules) == sorted(
         [
             '-A KUBE-PROXY-PORTS -p udp -m comment --comment "default/dns" -m udp --dport 40003'
             " -j REJECT --reject-with icmp-port-unreachable",
-            '-A KUBE-PROXY-PORTS -p tcp -m comment --comment "default/web:http" -m tcp'
-            " --dport 40001 -j REJECT --reject-with tcp-reset",
-            '-A KUBE-PROXY-PORTS -p tcp -m comment --comment "default/web:http" -m tcp'
-            " --dport 40002 -j REJECT --reject-with tcp-reset",
+            '-A KUBE-PROXY-PORTS -p tcp -m comment --comment "proxy ports 40001-40002" -m tcp'
+            " --dport 40001:40002 -j REJECT --reject-with tcp-reset",
+            '-A KUBE-PROXY-PORTS -p tcp -m comment --comment "default/api:https" -m tcp'
+            " --dport 40005 -j REJECT --reject-with tcp-reset",
         ]
     )
     (jump,) = [r for r in render([p], NODE) if r.is_jump and r.target == PROXY_PORTS]
@@ -1026,6 +1064,36 @@ def test_every_proxy_port_is_guarded_against_direct_connections() -> None:
     assert jump.line.endswith(
         "-m state --state NEW -m conntrack ! --ctstate DNAT -j KUBE-PROXY-PORTS"
     )
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.sets(st.integers(40000, 40300), max_size=60),
+    st.sets(st.integers(40000, 40300), max_size=20),
+)
+def test_guard_ranges_refuse_exactly_the_proxy_ports_in_the_fewest_rules(
+    tcp: set[int], udp: set[int]
+) -> None:
+    ports = [
+        port(name=ServicePortName("ns", f"t{p}", "p"), cluster_ips=("10.96.0.1",), cluster_port=p)
+        for p in tcp
+    ] + [
+        port(name=ServicePortName("ns", f"u{p}", "", Protocol.UDP), cluster_ips=("10.96.0.2",),
+             cluster_port=p)
+        for p in udp
+    ]  # fmt: skip
+    guards = [r for r in render(ports, NODE) if base_chain(r.chain) == PROXY_PORTS and r.dport]
+    guards = [r for r in guards if r.target == "REJECT"]
+    assert refused(guards) == {("tcp", p) for p in tcp} | {("udp", p) for p in udp}
+    for r in guards:  # each in the shard of its ports, never across shards
+        assert r.chain == f"{PROXY_PORTS}-{r.dport // 256:02X}"
+        assert (r.dport_hi or r.dport) // 256 == r.dport // 256
+
+    # The fewest: one rule per run of consecutive ports within a shard.
+    def runs(ps: set[int]) -> int:
+        return sum(1 for p in ps if p - 1 not in ps or (p % 256 == 0))
+
+    assert len(guards) == runs(tcp) + runs(udp)
 
 
 def test_the_guard_can_be_turned_off() -> None:

@@ -6,6 +6,7 @@ passed over by identity; equal copies by comparison), and rebuilds only the shar
 those ports' rules live in (one port's rules may span several shards: each rule goes to the
 shard of its destination address or port), plus an entry chain's jumps when one of its shards
 appears or empties (or, for a port shard, gains or loses a protocol).
+A `KUBE-PROXY-PORTS` shard holds its ports' guards merged into port ranges (`merge_guards`).
 One changed Service among 10,000 costs a few shards' work; the chains of every other shard
 stay the very same tuples, which the planner then compares by identity.
 
@@ -24,11 +25,13 @@ from kube_userspace_proxy.portals.rules import (
     CHAINS,
     DST_SHARDED,
     FILTER,
+    PROXY_PORTS,
     TABLES,
     Rule,
     Settings,
     base_chain,
     jumps,
+    merge_guards,
     render_port,
     served_families,
     shard_jumps,
@@ -150,7 +153,10 @@ class Desired:
         index = int(chain[-2:], 16)
         if members:
             ports = sorted(members)
-            rules = shards[chain] = tuple(chain_of.from_iterable(map(members.__getitem__, ports)))
+            rules = tuple(chain_of.from_iterable(map(members.__getitem__, ports)))
+            if base == PROXY_PORTS:
+                rules = merge_guards(rules)
+            shards[chain] = rules
             protocols = () if base in DST_SHARDED else tuple(sorted({r.protocol for r in rules}))
             have = entry.get(index)
             if have is not None and have[0] == protocols:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kube_userspace_proxy.netutil import Family
-from kube_userspace_proxy.portals.rules import CHAINS, FILTER, Rule
+from kube_userspace_proxy.portals.rules import CHAINS, FILTER, PROXY_PORTS, Rule, base_chain
 
 REWRITE_MIN = 256
 """A chain losing more than this many rules (and half of them) is rewritten, not edited."""
@@ -280,13 +280,15 @@ def update(
                 adds += [Prepend(r) for r in reversed(ahead)]
                 leading = set(ahead)
                 behind = [r for r in new if r not in leading]
-                adds += [Append(r) for r in behind]
                 left = set(gone) - stale
-                after = (
-                    *ahead,
-                    *(r for i, r in enumerate(have) if i not in left),
-                    *behind,
-                )
+                staying = [r for i, r in enumerate(have) if i not in left]
+                if defer and behind and base_chain(chain) == PROXY_PORTS:
+                    waiting = _covered_guards(behind, staying)
+                    if waiting:
+                        deferred += len(waiting)
+                        behind = [r for r in behind if r not in waiting]
+                adds += [Append(r) for r in behind]
+                after = (*ahead, *staying, *behind)
                 chains[chain] = rules if after == rules else after  # keep `rules`: fast next time
                 continue
         resets.append(ResetChain(chain))
@@ -352,10 +354,34 @@ def _can_wait(table: str, chain: str, shadowed: bool) -> bool:
       rule sent to that port, and no nat rule names it after this commit. Neither port is
       handed out again before the deferred deletes are committed (the proxier releases
       retired ports only then).
+    A guard range that a port leaving its run splits in two waits with the old range's
+    delete: until then the old range refuses the ports of both halves (`_covered_guards`).
     Any other nat rule (a removed Service's) still takes packets: it goes at once. So do
     emptied shards and the jumps to them (a chain is deleted only once nothing jumps to it).
     """
     return shadowed or (table == FILTER and chain not in CHAINS[FILTER])
+
+
+def _covered_guards(new: list[Rule], staying: list[Rule]) -> set[Rule]:
+    """The new guard rules (`merge_guards` ranges) whose every port a guard staying in the
+    chain already refuses: adding them can wait for the commit of the deferred deletes.
+
+    A port leaving a run of proxy ports splits the run's rule in two; until the old rule is
+    deleted (later, `_can_wait`), it refuses the ports of both halves, so the halves change no
+    packet's fate before then and go into that later commit with the delete.
+    """
+    spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for rule in staying:
+        if rule.target == "REJECT":
+            key = (rule.protocol, rule.reject_with)
+            spans.setdefault(key, []).append((rule.dport, rule.dport_hi or rule.dport))
+    waiting: set[Rule] = set()
+    for rule in new:
+        lo, hi = rule.dport, rule.dport_hi or rule.dport
+        have = spans.get((rule.protocol, rule.reject_with), ())
+        if rule.target == "REJECT" and any(a <= lo and hi <= b for a, b in have):
+            waiting.add(rule)
+    return waiting
 
 
 def cleanup(table: str, view: TableView) -> list[Op]:

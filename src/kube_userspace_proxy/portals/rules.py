@@ -25,7 +25,8 @@ Five chains, laid out as kube-proxy's userspace mode had them:
   proxy port answers only what the portal and NodePort rules sent there. Without it, anyone who
   can reach the node could connect to `node-ip:proxy-port` and reach a ClusterIP Service from
   outside the cluster. Only the first packet of a connection the nat rules did not touch walks
-  this chain. `--guard-proxy-ports=false` leaves it empty.
+  this chain. Consecutive proxy ports share one rule with a port range (`merge_guards`).
+  `--guard-proxy-ports=false` leaves it empty.
 
 Every rule carries `-m comment --comment ns/name:port`. External IPs get three rules, as the Go
 proxier had them: from outside the node's bridges (`-m physdev ! --physdev-is-in`), from pods
@@ -533,6 +534,46 @@ class _Renderer:
                      why=f"accept new {proto.upper()} connections to proxy port {ext}"
                      f" (NodePort {np} of {name}) even under a default-deny INPUT policy")
             )  # fmt: skip
+
+
+def merge_guards(rules: Iterable[Rule]) -> tuple[Rule, ...]:
+    """A `KUBE-PROXY-PORTS` shard's guard rules, each run of consecutive proxy ports of one
+    protocol as one rule with a port range (`--dport LO:HI`), ordered by protocol and port.
+
+    The allocator hands out ports in sequence, so 10,000 service ports' guards become a few
+    dozen rules, where each rule costs the kernel about as much to commit (and a new
+    connection to walk) as a NodePort or portal rule. A range covers only ports that are
+    proxy ports now. A port alone keeps its own rule, named after its service port; a range
+    is named by its ports (`proxy ports LO-HI`): no single Service owns it.
+    """
+    by_proto: dict[str, dict[int, Rule]] = {}
+    for rule in rules:
+        by_proto.setdefault(rule.protocol, {}).setdefault(rule.dport, rule)
+    out: list[Rule] = []
+    for proto in sorted(by_proto):
+        singles = by_proto[proto]
+        ports = sorted(singles)
+        start = 0
+        for i in range(1, len(ports) + 1):
+            if i < len(ports) and ports[i] == ports[i - 1] + 1:
+                continue
+            lo, hi = ports[start], ports[i - 1]
+            first = singles[lo]
+            if lo == hi:
+                out.append(first)
+            else:
+                out.append(_guard_range(first, lo, hi, i - start))
+            start = i
+    return tuple(out)
+
+
+def _guard_range(first: Rule, lo: int, hi: int, count: int) -> Rule:
+    proto = first.protocol
+    return Rule(first.family, FILTER, first.chain, "REJECT", f"proxy ports {lo}-{hi}", proto,
+                dport=lo, dport_hi=hi, reject_with=first.reject_with,
+                why=f"refuse {proto.upper()} connections made straight to proxy ports {lo} to"
+                f" {hi} ({count} proxy ports in a row): only the nat rules may send traffic"
+                " there")  # fmt: skip
 
 
 def render_port(
