@@ -1117,6 +1117,27 @@ def test_only_changed_service_ports_are_rendered_and_their_shards_rebuilt() -> N
     assert changed == {r.chain for r in services_rules([moved]) if r.table == "nat"}
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sets(st.integers(0, 40), max_size=30), st.sets(st.integers(0, 40))),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_updates_leave_the_rules_a_fresh_render_gives(
+    states: list[tuple[set[int], set[int]]],
+) -> None:
+    # Service ports come and go and move proxy ports (guard runs grow, split and merge).
+    desired = Desired(NODE)
+    for present, moved in states:
+        ports = [
+            services([i], proxy_base=40300 if i in moved else 40000)[0] for i in sorted(present)
+        ]
+        desired.update(ports)
+        assert [r.line for r in desired.rules([4])] == [r.line for r in render(ports, NODE)]
+
+
 def test_a_shard_that_empties_is_dropped_with_its_jump() -> None:
     table = FakeTable("nat")
     ports = services(range(3))

@@ -6,7 +6,8 @@ passed over by identity; equal copies by comparison), and rebuilds only the shar
 those ports' rules live in (one port's rules may span several shards: each rule goes to the
 shard of its destination address or port), plus an entry chain's jumps when one of its shards
 appears or empties (or, for a port shard, gains or loses a protocol).
-A `KUBE-PROXY-PORTS` shard holds its ports' guards merged into port ranges (`merge_guards`).
+A `KUBE-PROXY-PORTS` shard holds its proxy ports' guards, merged into port ranges
+(`guard_rules`).
 One changed Service among 10,000 costs a few shards' work; the chains of every other shard
 stay the very same tuples, which the planner then compares by identity.
 
@@ -27,11 +28,12 @@ from kube_userspace_proxy.portals.rules import (
     FILTER,
     PROXY_PORTS,
     TABLES,
+    Guard,
     Rule,
     Settings,
     base_chain,
+    guard_rules,
     jumps,
-    merge_guards,
     render_port,
     served_families,
     shard_jumps,
@@ -62,6 +64,9 @@ class Desired:
     def _reset(self) -> None:
         self._ports: dict[ServicePortName, ProxiedPort] = {}
         self._rules: dict[ServicePortName, tuple[Rule, ...]] = {}
+        self._guards: dict[ServicePortName, tuple[Guard, ...]] = {}
+        self._guarded: dict[_ChainKey, dict[tuple[str, int], str]] = {}
+        """Per `KUBE-PROXY-PORTS` shard, its proxy ports ((protocol, port) -> service port)."""
         self._members: dict[_ChainKey, dict[_Order, tuple[Rule, ...]]] = {}
         """Per shard chain, the rules of each service port in it."""
         self._shards: dict[tuple[Family, str], dict[str, tuple[Rule, ...]]] = {}
@@ -113,10 +118,19 @@ class Desired:
             name = pp.info.name
             if name in self._rules:
                 self._forget(name, dirty)
-            rules, skipped = render_port(pp, self.settings)
+            rules, guards, skipped = render_port(pp, self.settings)
             if skipped:
                 self.skipped += skipped
             self._rules[name] = rules
+            if guards:
+                self._guards[name] = guards
+                text = str(name)
+                for family, shard, protocol, port in guards:
+                    key = (family, FILTER, shard)
+                    if (guarded := self._guarded.get(key)) is None:
+                        guarded = self._guarded[key] = {}
+                    guarded.setdefault((protocol, port), text)
+                    dirty.add(key)
             order = _order(name)
             for rule in rules:
                 key = (rule.family, rule.table, rule.chain)
@@ -141,21 +155,33 @@ class Desired:
             key = (rule.family, rule.table, rule.chain)
             if self._members.get(key, {}).pop(order, None) is not None:
                 dirty.add(key)
+        text = str(name)
+        for family, shard, protocol, port in self._guards.pop(name, ()):
+            key = (family, FILTER, shard)
+            ports = self._guarded.get(key, {})
+            if ports.get((protocol, port)) == text:
+                del ports[(protocol, port)]
+                dirty.add(key)
 
     def _rebuild(self, key: _ChainKey, entries: set[_ChainKey]) -> None:
         """Rebuild a shard chain from its members; add its entry chain to `entries` when
         that chain's jumps to its shards must be rebuilt too."""
         family, table, chain = key
         shards = self._shards.setdefault((family, table), {})
-        members = self._members.get(key)
         base = base_chain(chain)
+        if base == PROXY_PORTS:
+            guarded = self._guarded.get(key)
+            rules = guard_rules(family, chain, guarded) if guarded else ()
+        else:
+            members = self._members.get(key)
+            rules = (
+                tuple(chain_of.from_iterable(members[k] for k in sorted(members)))
+                if members
+                else ()
+            )
         entry = self._entries.setdefault((family, table, base), {})
         index = int(chain[-2:], 16)
-        if members:
-            ports = sorted(members)
-            rules = tuple(chain_of.from_iterable(map(members.__getitem__, ports)))
-            if base == PROXY_PORTS:
-                rules = merge_guards(rules)
+        if rules:
             shards[chain] = rules
             protocols = () if base in DST_SHARDED else tuple(sorted({r.protocol for r in rules}))
             have = entry.get(index)
@@ -164,6 +190,7 @@ class Desired:
             entry[index] = (protocols, shard_jumps(family, table, base, index, protocols))
         else:
             self._members.pop(key, None)
+            self._guarded.pop(key, None)
             shards.pop(chain, None)
             if entry.pop(index, None) is None:
                 return

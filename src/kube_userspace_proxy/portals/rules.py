@@ -25,7 +25,7 @@ Five chains, laid out as kube-proxy's userspace mode had them:
   proxy port answers only what the portal and NodePort rules sent there. Without it, anyone who
   can reach the node could connect to `node-ip:proxy-port` and reach a ClusterIP Service from
   outside the cluster. Only the first packet of a connection the nat rules did not touch walks
-  this chain. Consecutive proxy ports share one rule with a port range (`merge_guards`).
+  this chain. Consecutive proxy ports share one rule with a port range (`guard_rules`).
   `--guard-proxy-ports=false` leaves it empty.
 
 Every rule carries `-m comment --comment ns/name:port`. External IPs get three rules, as the Go
@@ -48,7 +48,7 @@ import functools
 import ipaddress
 import re
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar, dataclass_transform
 
@@ -394,6 +394,8 @@ class _Renderer:
         self.s = settings
         self.served = served_families(settings.bind_address)
         self.rules: list[Rule] = []
+        self.guards: list[Guard] = []
+        """The proxy ports to refuse (`guard_rules` makes the rules of a shard's ports)."""
         self.skipped: list[tuple[ServicePortName, str]] = []
         """ClusterIPs left without rules because the proxy ports do not serve their family."""
         self._seen: set[Rule] = set()
@@ -503,18 +505,9 @@ class _Renderer:
                 self.node_port(family, pp)
 
     def guard(self, family: Family, port: int) -> None:
-        proto = self.proto
-        if proto == "tcp":
-            reject = "tcp-reset"
-        else:
-            reject = "icmp6-port-unreachable" if family == 6 else "icmp-port-unreachable"
-        chain = _SHARD_CHAINS[PROXY_PORTS][port // PORTS_PER_SHARD]
-        self.add(
-            Rule(family, FILTER, chain, "REJECT", self.name, proto, dport=port,
-                 reject_with=reject,
-                 why=f"refuse {proto.upper()} connections made straight to proxy port {port}"
-                 f" ({self.name}): only the nat rules may send traffic there")
-        )  # fmt: skip
+        guard = (family, _SHARD_CHAINS[PROXY_PORTS][port // PORTS_PER_SHARD], self.proto, port)
+        if guard not in self.guards:
+            self.guards.append(guard)
 
     def node_port(self, family: Family, pp: ProxiedPort) -> None:
         np, ext, name, proto = pp.info.node_port, pp.external_port, self.name, self.proto
@@ -536,9 +529,16 @@ class _Renderer:
             )  # fmt: skip
 
 
-def merge_guards(rules: Iterable[Rule]) -> tuple[Rule, ...]:
-    """A `KUBE-PROXY-PORTS` shard's guard rules, each run of consecutive proxy ports of one
-    protocol as one rule with a port range (`--dport LO:HI`), ordered by protocol and port.
+Guard = tuple[Family, str, str, int]
+"""A proxy port to refuse: (family, its `KUBE-PROXY-PORTS` shard, protocol, port)."""
+
+
+def guard_rules(
+    family: Family, chain: str, ports: Mapping[tuple[str, int], str]
+) -> tuple[Rule, ...]:
+    """The guard rules of a `KUBE-PROXY-PORTS` shard, from its proxy ports ((protocol, port)
+    -> the service port's name): each run of consecutive ports of one protocol is one rule with
+    a port range (`--dport LO:HI`), ordered by protocol and port.
 
     The allocator hands out ports in sequence, so 10,000 service ports' guards become a few
     dozen rules, where each rule costs the kernel about as much to commit (and a new
@@ -546,48 +546,45 @@ def merge_guards(rules: Iterable[Rule]) -> tuple[Rule, ...]:
     proxy ports now. A port alone keeps its own rule, named after its service port; a range
     is named by its ports (`proxy ports LO-HI`): no single Service owns it.
     """
-    by_proto: dict[str, dict[int, Rule]] = {}
-    for rule in rules:
-        by_proto.setdefault(rule.protocol, {}).setdefault(rule.dport, rule)
     out: list[Rule] = []
-    for proto in sorted(by_proto):
-        singles = by_proto[proto]
-        ports = sorted(singles)
-        start = 0
-        for i in range(1, len(ports) + 1):
-            if i < len(ports) and ports[i] == ports[i - 1] + 1:
-                continue
-            lo, hi = ports[start], ports[i - 1]
-            first = singles[lo]
-            if lo == hi:
-                out.append(first)
-            else:
-                out.append(_guard_range(first, lo, hi, i - start))
-            start = i
+    keys = sorted(ports)
+    start = 0
+    for i in range(1, len(keys) + 1):
+        if i < len(keys) and keys[i] == (keys[i - 1][0], keys[i - 1][1] + 1):
+            continue
+        (proto, lo), hi = keys[start], keys[i - 1][1]
+        if proto == "tcp":
+            reject = "tcp-reset"
+        else:
+            reject = "icmp6-port-unreachable" if family == 6 else "icmp-port-unreachable"
+        if lo == hi:
+            name = ports[keys[start]]
+            why = (f"refuse {proto.upper()} connections made straight to proxy port {lo}"
+                   f" ({name}): only the nat rules may send traffic there")  # fmt: skip
+        else:
+            name = f"proxy ports {lo}-{hi}"
+            why = (f"refuse {proto.upper()} connections made straight to proxy ports {lo} to"
+                   f" {hi} ({i - start} proxy ports in a row): only the nat rules may send"
+                   " traffic there")  # fmt: skip
+        out.append(Rule(family, FILTER, chain, "REJECT", name, proto, dport=lo,
+                        dport_hi=hi if hi != lo else 0, reject_with=reject, why=why))  # fmt: skip
+        start = i
     return tuple(out)
-
-
-def _guard_range(first: Rule, lo: int, hi: int, count: int) -> Rule:
-    proto = first.protocol
-    return Rule(first.family, FILTER, first.chain, "REJECT", f"proxy ports {lo}-{hi}", proto,
-                dport=lo, dport_hi=hi, reject_with=first.reject_with,
-                why=f"refuse {proto.upper()} connections made straight to proxy ports {lo} to"
-                f" {hi} ({count} proxy ports in a row): only the nat rules may send traffic"
-                " there")  # fmt: skip
 
 
 def render_port(
     pp: ProxiedPort, settings: Settings
-) -> tuple[tuple[Rule, ...], list[tuple[ServicePortName, str]]]:
-    """One service port's rules, each in its shard (`shard_for`), without duplicates; and
-    (service port, ClusterIP) for each ClusterIP of a family the proxy ports do not serve."""
+) -> tuple[tuple[Rule, ...], tuple[Guard, ...], list[tuple[ServicePortName, str]]]:
+    """One service port's rules, each in its shard (`shard_for`), without duplicates; its
+    proxy ports to guard (`guard_rules` makes their rules, shard by shard); and (service port,
+    ClusterIP) for each ClusterIP of a family the proxy ports do not serve."""
     r = _Renderer(settings, pp)
     try:
         r.port(pp)
     except ValueError as exc:  # one bad port never fails the whole table's commit
         log.error("no rules for service port %r: %s", str(pp.info.name)[:300], exc)
-        r.rules = []
-    return tuple(r.rules), r.skipped
+        r.rules, r.guards = [], []
+    return tuple(r.rules), tuple(r.guards), r.skipped
 
 
 ClaimKey = tuple[str, str, str]
