@@ -4,7 +4,9 @@ For each backend (iptc: python-iptables on the legacy tables; restore: iptables-
 the nft tables) and each size, in a network namespace created for the run (and deleted after),
 one `Portals` is taken through these applies, each timed:
 
-- `scratch`: the first apply of N service ports into empty tables (rendering them included);
+- `scratch`: the first apply of N service ports into empty tables (rendering them included),
+  with the cyclic collector held off and what it built frozen after, as in the proxy's first
+  sync;
 - `move one`: one service port moved to another proxy port, the one the proxy's
   `PortAllocator` would hand out next (its cursor: the next free port after the last one
   given, here 20000 + N), so its filter rule lands in a port shard in use, as 255 moves in
@@ -37,6 +39,8 @@ Needs root; touches nothing outside its namespaces.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import platform
@@ -44,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +107,18 @@ FOREIGN = {
 }
 
 
+@contextlib.contextmanager
+def gc_held() -> Iterator[None]:
+    """The collector held off, as `collector.held_off` does (a baseline may predate it)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def worker(backend: str, size: int, repeat: int) -> dict[str, Any]:
     """Runs inside the namespace: the timings of one backend and size."""
     from kube_userspace_proxy import logs
@@ -125,9 +142,15 @@ def worker(backend: str, size: int, repeat: int) -> dict[str, Any]:
         for label, state in steps:
             if label == "foreign commit":  # someone else's rule: the cheap check runs
                 subprocess.run(FOREIGN[backend], check=True)
+            # The proxy's first sync holds the cyclic collector off and then freezes what it
+            # built (app.py, `collector.Hold`): the first apply here does the same.
+            hold = gc_held if label == "scratch" else contextlib.nullcontext
             started = time.perf_counter()
-            portals.apply(state)
+            with hold():
+                portals.apply(state)
             times[label].append(time.perf_counter() - started)
+            if label == "scratch":
+                gc.freeze()
             if label == "scratch":  # counted after: rendered before, the apply would not render
                 rules = len(portals.render(base))
             if deferred is not None:
