@@ -132,7 +132,10 @@ def test_a_proxy_port_answers_only_what_the_nat_rules_sent_there(
         *service("dns", "10.96.0.53", 53, protocol="UDP"),
         *service("api", "10.96.0.11", 80),
     ]
-    proxy = proxy_factory(objects, *([] if guard else ["--guard-proxy-ports=false"]))
+    # Two TCP proxy ports in all (the last --proxy-port-range wins): web and api get both,
+    # in a row and in one port shard, whichever the allocator starts from.
+    pinned = ["--proxy-port-range", "40000-40001"]
+    proxy = proxy_factory(objects, *pinned, *([] if guard else ["--guard-proxy-ports=false"]))
     proxy.wait_rules('"default/web:p"', '"default/dns:p"', '"default/api:p"')
     client = proxy.topo.client
     wait_for(lambda: client.ask("tcp", "10.96.0.10", 80)[0] in PODS, "web answering")
@@ -152,10 +155,9 @@ def test_a_proxy_port_answers_only_what_the_nat_rules_sent_there(
         assert all(answer not in PODS for answer in direct_udp)
         saved = proxy.save("filter")
         assert "-j KUBE-PROXY-PORTS" in saved
-        # The two TCP Services' proxy ports, handed out in a row: one guard rule, a range.
-        lo, hi = sorted((web, api))
-        if hi == lo + 1 and lo // 256 == hi // 256:
-            assert f'--comment "proxy ports {lo}-{hi}" -m tcp --dport {lo}:{hi} -j REJECT' in saved
+        # The two TCP Services' proxy ports, in a row: one guard rule, a range.
+        assert sorted((web, api)) == [40000, 40001]
+        assert '--comment "proxy ports 40000-40001" -m tcp --dport 40000:40001 -j REJECT' in saved
     else:
         assert set(direct_tcp) <= set(PODS)
         assert set(direct_udp) <= set(PODS)
