@@ -371,15 +371,14 @@ def _covered_guards(new: list[Rule], staying: list[Rule]) -> set[Rule]:
     packet's fate before then and go into that later commit with the delete.
     """
     spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
-    for rule in staying:
-        if rule.target == "REJECT":
-            key = (rule.protocol, rule.reject_with)
-            spans.setdefault(key, []).append((rule.dport, rule.dport_hi or rule.dport))
+    for rule in staying:  # a guard shard holds guard rules only
+        key = (rule.protocol, rule.reject_with)
+        spans.setdefault(key, []).append((rule.dport, rule.dport_hi or rule.dport))
     waiting: set[Rule] = set()
     for rule in new:
         lo, hi = rule.dport, rule.dport_hi or rule.dport
         have = spans.get((rule.protocol, rule.reject_with), ())
-        if rule.target == "REJECT" and any(a <= lo and hi <= b for a, b in have):
+        if any(a <= lo and hi <= b for a, b in have):
             waiting.add(rule)
     return waiting
 
