@@ -35,9 +35,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kube_userspace_proxy.cluster.sources.kube import KubeSource  # noqa: E402
+from kube_userspace_proxy.cluster.state import ClusterState  # noqa: E402
 from kube_userspace_proxy.model import ServicePortName  # noqa: E402
-from kube_userspace_proxy.sources.kube import KubeSource  # noqa: E402
-from kube_userspace_proxy.state import ClusterState  # noqa: E402
 
 NODE = "bench-node"
 WEB = ServicePortName("default", "web", "http")
@@ -150,7 +150,7 @@ async def measure_traffic(
     kubeconfig: str, url: str, changes: int, interval: float, min_sync_period: float
 ) -> list[float]:
     """Seconds from PUT to a connection through the proxy reaching the new endpoint."""
-    from kube_userspace_proxy.config import ProxyConfig
+    from kube_userspace_proxy.config.settings import ProxyConfig
     from tests.loopback.proxyrun import ask, running_proxy, start_named_backends
 
     backends = await start_named_backends([f"pod-{i}" for i in range(changes + 1)])

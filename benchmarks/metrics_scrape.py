@@ -31,10 +31,10 @@ import uvloop
 from aiohttp import web
 
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener
-from kube_userspace_proxy.health import ProxyHealth
-from kube_userspace_proxy.metrics import ProxyMetrics
 from kube_userspace_proxy.model import Protocol, ServicePortName
-from kube_userspace_proxy.ops import start_ops
+from kube_userspace_proxy.ops.health import ProxyHealth
+from kube_userspace_proxy.ops.metrics import ProxyMetrics
+from kube_userspace_proxy.ops.server import start_ops
 
 
 def make_stats(count: int) -> list[tuple[ServicePortName, ConnStats]]:

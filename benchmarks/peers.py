@@ -87,7 +87,7 @@ from testbed import (
     version,
 )
 
-from kube_userspace_proxy.config import ProxyConfig
+from kube_userspace_proxy.config.settings import ProxyConfig
 from kube_userspace_proxy.dataplane.steering import worker_of
 from tests.integration.conftest import PROXY, Proxy, service, write_manifest
 from tests.integration.netns import POD_PORT, PODS, available, stop, wait_for

@@ -21,12 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kube_userspace_proxy.app import raise_nofile_limit  # noqa: E402
+from kube_userspace_proxy.app.proxy import raise_nofile_limit  # noqa: E402
 from kube_userspace_proxy.balancer import EndpointPool  # noqa: E402
 from kube_userspace_proxy.dataplane import ConnStats  # noqa: E402
 from kube_userspace_proxy.model import Endpoint, Protocol, ServicePortName  # noqa: E402
 from kube_userspace_proxy.ports import PortAllocator  # noqa: E402
-from kube_userspace_proxy.workerpool import SharedPort, WorkerPool  # noqa: E402
+from kube_userspace_proxy.workers.pool import SharedPort, WorkerPool  # noqa: E402
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -7,11 +7,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.model import Endpoint, ServicePortName
+from kube_userspace_proxy.model import Address, Endpoint, ServicePortName
 
 log = logs.get(__name__)
 
-Address = tuple[str, int]
 
 DEFAULT_MAX_AFFINITY_ENTRIES = 65536
 """Clients remembered per pool; past it expired pins are swept, then the oldest dropped."""

@@ -10,8 +10,14 @@ from typing import Any, NoReturn
 
 import yaml
 
-from kube_userspace_proxy import __version__, app, demo, logs
-from kube_userspace_proxy.config import (
+from kube_userspace_proxy import __version__, demo, logs
+from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy.config.kubeproxy import (
+    DEFAULT_HEALTHZ_PORT,
+    DEFAULT_METRICS_PORT,
+    with_port,
+)
+from kube_userspace_proxy.config.settings import (
     DEFAULTS,
     ProxyConfig,
     build_config,
@@ -23,11 +29,6 @@ from kube_userspace_proxy.config import (
     split_host_port,
 )
 from kube_userspace_proxy.errors import ConfigError, ProxyError
-from kube_userspace_proxy.kubeproxyconfig import (
-    DEFAULT_HEALTHZ_PORT,
-    DEFAULT_METRICS_PORT,
-    with_port,
-)
 from kube_userspace_proxy.portals import cleanup_all
 
 log = logs.get(__name__)

@@ -15,6 +15,15 @@ DEFAULT_AFFINITY_TIMEOUT_SECONDS = 10800
 """kube-apiserver's default for `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours)."""
 
 
+Address = tuple[str, int]
+"""(host, port) of a socket address."""
+SocketKey = tuple[str, str, int]
+"""(protocol "TCP"/"UDP", address, port) of a proxy-port or NodePort socket."""
+ClaimKey = tuple[str, str, str]
+"""(service port `ns/name:port`, protocol "TCP"/"UDP", path "cluster"/"external"): how
+installed rules name the proxy port they target."""
+
+
 class Protocol(enum.StrEnum):
     """Service port protocols the proxy serves (SCTP is skipped by the state builder)."""
 

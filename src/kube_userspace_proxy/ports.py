@@ -11,7 +11,7 @@ import socket
 from collections.abc import Callable
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.config import MAX_PORT as _MAX_PORT
+from kube_userspace_proxy.config.settings import MAX_PORT as _MAX_PORT
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError
 from kube_userspace_proxy.model import Protocol
 

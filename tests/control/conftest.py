@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from kube_userspace_proxy.cluster.sources.kube import KubeSource
+from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.model import Endpoint, ServicePortName, Snapshot
-from kube_userspace_proxy.sources.kube import KubeSource
-from kube_userspace_proxy.state import ClusterState
 from tests.fakes.apiserver import FakeApiServer
 
 NODE = "node-1"

@@ -14,9 +14,9 @@ from typing import Any
 
 import aiohttp
 
-from kube_userspace_proxy.health import ProxyHealth
 from kube_userspace_proxy.model import Endpoint, ServicePortInfo, ServicePortName, Snapshot
-from kube_userspace_proxy.servicehealth import ServiceHealthServers
+from kube_userspace_proxy.ops.health import ProxyHealth
+from kube_userspace_proxy.ops.servicehealth import ServiceHealthServers
 from tests.control.conftest import NODE, endpoint_slice, service
 from tests.control.test_kube_end_to_end import kube_config
 from tests.fakes.apiserver import FakeApiServer
@@ -159,7 +159,7 @@ async def test_a_taken_health_port_is_logged_and_retried_at_the_next_sync() -> N
 
 
 def test_only_load_balancers_with_the_local_policy_get_a_health_check_port() -> None:
-    from kube_userspace_proxy.objects import parse_service
+    from kube_userspace_proxy.cluster.objects import parse_service
 
     def health_port(**spec: Any) -> int:
         svc = service("s", healthCheckNodePort=31000, **spec)

@@ -21,7 +21,7 @@ from tests.control.conftest import (
 )
 from tests.fakes.apiserver import FakeApiServer
 
-KUBE_LOGGER = "kube_userspace_proxy.sources.kube"
+KUBE_LOGGER = "kube_userspace_proxy.cluster.sources.kube"
 
 
 def kube_records(

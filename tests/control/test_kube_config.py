@@ -7,9 +7,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kube_userspace_proxy.cluster.sources.kube import (
+    KubeSource,
+    label_selector,
+    load_client_configuration,
+)
+from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.errors import ConfigError, ProxyError
-from kube_userspace_proxy.sources.kube import KubeSource, label_selector, load_client_configuration
-from kube_userspace_proxy.state import ClusterState
 from tests.control.conftest import NODE, StartSource, node, service
 from tests.fakes.apiserver import FakeApiServer
 

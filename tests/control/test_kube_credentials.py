@@ -149,7 +149,7 @@ async def test_an_unreachable_api_server_is_an_error_at_every_backoff_step(
     dead = FakeApiServer(port=port)
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump(dead.kubeconfig()))
-    with caplog.at_level(logging.ERROR, logger="kube_userspace_proxy.sources.kube"):
+    with caplog.at_level(logging.ERROR, logger="kube_userspace_proxy.cluster.sources.kube"):
         await start_source(kubeconfig=str(path), wait_listed=False)
 
         def errors() -> list[str]:

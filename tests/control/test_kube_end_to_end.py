@@ -16,10 +16,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kube_userspace_proxy.app import Proxy
-from kube_userspace_proxy.config import ProxyConfig
-from kube_userspace_proxy.metrics import sample_value
+from kube_userspace_proxy.app.proxy import Proxy
+from kube_userspace_proxy.config.settings import ProxyConfig
 from kube_userspace_proxy.model import ServicePortName
+from kube_userspace_proxy.ops.metrics import sample_value
 from tests.control.conftest import NODE, endpoint_slice, eventually, service
 from tests.fakes.apiserver import FakeApiServer
 from tests.loopback.proxyrun import ask, running_proxy, start_named_backends

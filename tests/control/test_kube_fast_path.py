@@ -16,9 +16,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kube_userspace_proxy import app
-from kube_userspace_proxy.metrics import sample_value
+from kube_userspace_proxy.app import proxy as app
 from kube_userspace_proxy.model import ServicePortName
+from kube_userspace_proxy.ops.metrics import sample_value
 from tests.control.conftest import endpoint_slice, eventually, service
 from tests.control.test_kube_end_to_end import kube_config
 from tests.fakes.apiserver import FakeApiServer

@@ -10,9 +10,9 @@ from typing import TypeVar
 import aiohttp
 import pytest
 
-from kube_userspace_proxy.app import Proxy
-from kube_userspace_proxy.metrics import iter_samples, sample_value
+from kube_userspace_proxy.app.proxy import Proxy
 from kube_userspace_proxy.model import ServicePortName
+from kube_userspace_proxy.ops.metrics import iter_samples, sample_value
 from tests.control.conftest import NODE, endpoint_slice, eventually, service
 from tests.control.test_kube_end_to_end import kube_config
 from tests.fakes.apiserver import FakeApiServer

@@ -7,7 +7,11 @@ import time
 
 from aiohttp import web
 
-from kube_userspace_proxy.sources.kube import WATCH_READ_SLACK, WATCH_TIMEOUT, watch_timeouts
+from kube_userspace_proxy.cluster.sources.kube import (
+    WATCH_READ_SLACK,
+    WATCH_TIMEOUT,
+    watch_timeouts,
+)
 from tests.control.conftest import (
     StartSource,
     Watching,

@@ -6,7 +6,7 @@ import asyncio
 import time
 from datetime import UTC, datetime
 
-from kube_userspace_proxy.state import ClusterState
+from kube_userspace_proxy.cluster.state import ClusterState
 from tests.control.conftest import (
     HEADLESS_LABEL,
     NODE,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kube_userspace_proxy import statefile
+from kube_userspace_proxy.restart import statefile
 from tests.control.conftest import NODE, endpoint_slice, eventually, service
 from tests.fakes.apiserver import FakeApiServer
 from tests.loopback.proxyrun import LOOPBACK_RUN_FLAGS, ask, start_named_backends

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kube_userspace_proxy.metrics import sample_value
+from kube_userspace_proxy.ops.metrics import sample_value
 from tests.integration.conftest import (
     BACKENDS,
     PROXY,

@@ -131,7 +131,7 @@ async def test_page_is_self_contained_and_streams_events(
 async def test_the_page_shows_the_first_service_ports_and_only_their_rules(
     tmp_path: Path, backends: Callable[..., Awaitable[Backends]]
 ) -> None:
-    from kube_userspace_proxy import debugui
+    from kube_userspace_proxy.ops import debugui
 
     [(_, port, _)] = await backends("pod-a")
     count = debugui.SHOWN + 20
@@ -153,7 +153,7 @@ async def test_the_page_shows_the_first_service_ports_and_only_their_rules(
 
 
 def test_only_rules_naming_a_shown_service_port_reach_the_page() -> None:
-    from kube_userspace_proxy.debugui import _naming
+    from kube_userspace_proxy.ops.debugui import _naming
 
     counted = [
         (

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kube_userspace_proxy import handover
+from kube_userspace_proxy.restart import handover
 from tests.loopback.proxyrun import (
     LOOPBACK_RUN_FLAGS,
     ask,

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
+from kube_userspace_proxy.cluster.sources.manifests import ManifestSource
+from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.errors import ManifestError
 from kube_userspace_proxy.model import ServicePortName
-from kube_userspace_proxy.sources.manifests import ManifestSource
-from kube_userspace_proxy.state import ClusterState
 
 POLL = 0.05
 

@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.errors import ConfigError, PortInUseError
-from kube_userspace_proxy.health import ProxyHealth
-from kube_userspace_proxy.metrics import ProxyMetrics, iter_samples, sample_value
 from kube_userspace_proxy.model import Protocol, ServicePortName
-from kube_userspace_proxy.ops import OpsServer, parse_bind_address, start_ops
+from kube_userspace_proxy.ops.health import ProxyHealth
+from kube_userspace_proxy.ops.metrics import ProxyMetrics, iter_samples, sample_value
+from kube_userspace_proxy.ops.server import OpsServer, parse_bind_address, start_ops
 
 SYNC_PERIOD = 30.0
 MYAPP = ServicePortName("default", "myapp", "http")

@@ -13,12 +13,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kube_userspace_proxy import httpguard
 from kube_userspace_proxy.balancer import DEFAULT_MAX_AFFINITY_ENTRIES, PINS_SHOWN
-from kube_userspace_proxy.health import ProxyHealth
-from kube_userspace_proxy.metrics import ProxyMetrics
 from kube_userspace_proxy.model import Path, ServicePortName
-from kube_userspace_proxy.ops import STATE_CHUNK, OpsServer, start_ops
+from kube_userspace_proxy.ops import httpguard
+from kube_userspace_proxy.ops.health import ProxyHealth
+from kube_userspace_proxy.ops.metrics import ProxyMetrics
+from kube_userspace_proxy.ops.server import STATE_CHUNK, OpsServer, start_ops
 from tests.loopback.proxyrun import (
     endpoint_slice,
     loopback_config,

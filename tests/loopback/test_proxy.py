@@ -13,8 +13,8 @@ from typing import cast
 import aiohttp
 import pytest
 
-from kube_userspace_proxy.metrics import sample_value
 from kube_userspace_proxy.model import Protocol, ServicePortName
+from kube_userspace_proxy.ops.metrics import sample_value
 from tests.loopback.proxyrun import (
     ask,
     endpoint_slice,

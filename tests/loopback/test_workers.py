@@ -19,12 +19,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kube_userspace_proxy import app, workerpool
+from kube_userspace_proxy.app import proxy as app
 from kube_userspace_proxy.balancer import PINS_SHOWN
 from kube_userspace_proxy.dataplane.steering import worker_of
-from kube_userspace_proxy.metrics import sample_value
 from kube_userspace_proxy.model import Protocol, ServicePortName
-from kube_userspace_proxy.worker import REPORT_PART
+from kube_userspace_proxy.ops.metrics import sample_value
+from kube_userspace_proxy.workers import pool as workerpool
+from kube_userspace_proxy.workers.process import REPORT_PART
 from tests.loopback.proxyrun import (
     LOOPBACK_RUN_FLAGS,
     endpoint_slice,
@@ -368,7 +369,7 @@ async def test_a_worker_that_cannot_start_is_a_clear_error(
     # Only the worker processes fail to start (sys.orig_argv names the worker module).
     (broken / "sitecustomize.py").write_text(
         "import os, sys\n"
-        "if 'kube_userspace_proxy.worker' in sys.orig_argv:\n"
+        "if 'kube_userspace_proxy.workers.process' in sys.orig_argv:\n"
         "    sys.stderr.write('worker start refused by the test\\n'); os._exit(3)\n"
     )
     manifest = tmp_path / "svc.yaml"

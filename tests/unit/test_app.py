@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from kube_userspace_proxy import app
-from kube_userspace_proxy.config import ProxyConfig
+from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy.config.settings import ProxyConfig
 
 
 def test_auto_backend_without_root_serves_proxy_ports_only(

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from kube_userspace_proxy import cli
-from kube_userspace_proxy.config import config_from_document
+from kube_userspace_proxy.config.settings import config_from_document
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kube-userspace-proxy"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kube_userspace_proxy.config import (
+from kube_userspace_proxy.config.settings import (
     ProxyConfig,
     build_config,
     config_from_document,

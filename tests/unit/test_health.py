@@ -7,7 +7,7 @@ import contextlib
 import time
 from datetime import datetime
 
-from kube_userspace_proxy.health import LOOP_STALL_SECONDS, ProxyHealth, rfc3339, watch_lag
+from kube_userspace_proxy.ops.health import LOOP_STALL_SECONDS, ProxyHealth, rfc3339, watch_lag
 
 SYNC_PERIOD = 30.0
 START = 1_700_000_000.0

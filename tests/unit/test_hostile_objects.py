@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import pytest
 
-from kube_userspace_proxy import objects
-from kube_userspace_proxy.metrics import ProxyMetrics, sample_value
+from kube_userspace_proxy.cluster import objects
+from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.model import Protocol, ProxiedPort, ServicePortName
+from kube_userspace_proxy.ops.metrics import ProxyMetrics, sample_value
 from kube_userspace_proxy.portals.desired import render
 from kube_userspace_proxy.portals.rules import Rule, Settings
-from kube_userspace_proxy.state import ClusterState
 from tests.unit.test_state import endpoint, endpoint_slice, lines, service
 
 WEB = ServicePortName("default", "web", "http", Protocol.TCP)

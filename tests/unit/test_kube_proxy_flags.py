@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from kube_userspace_proxy import cli
-from kube_userspace_proxy.config import build_config, config_from_document
+from kube_userspace_proxy.config.settings import build_config, config_from_document
 
 # Every flag kube-proxy 1.25 to 1.32 registers (from its AddFlags, logs and klog flag sets),
 # written down here independently of the parser, with a value each would take.

@@ -13,8 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
-from kube_userspace_proxy.config import build_config, config_from_document, effective_document
-from kube_userspace_proxy.kubeproxyconfig import SCHEMA, set_defaults
+from kube_userspace_proxy.config.kubeproxy import SCHEMA, set_defaults
+from kube_userspace_proxy.config.settings import (
+    build_config,
+    config_from_document,
+    effective_document,
+)
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "kubeadm"
 RELEASES = ["1.25", "1.32"]

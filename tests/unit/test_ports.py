@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kube_userspace_proxy.config import format_port_range, parse_port_range
+from kube_userspace_proxy.config.settings import format_port_range, parse_port_range
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError
 from kube_userspace_proxy.model import Protocol
 from kube_userspace_proxy.ports import DescriptorBudget, PortAllocator

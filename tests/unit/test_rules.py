@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kube_userspace_proxy.addresses import Family
 from kube_userspace_proxy.errors import PortalsError
 from kube_userspace_proxy.model import Protocol, ProxiedPort, ServicePortInfo, ServicePortName
-from kube_userspace_proxy.netutil import Family
 from kube_userspace_proxy.portals import Portals, plan
 from kube_userspace_proxy.portals.desired import Desired, explain, render
 from kube_userspace_proxy.portals.restore import predict, restore_text, view_of

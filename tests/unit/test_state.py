@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.model import Endpoint, Protocol, ServicePortName, Snapshot
-from kube_userspace_proxy.state import ClusterState
 
 HTTP = ServicePortName("default", "web", "http", Protocol.TCP)
 

@@ -10,8 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
-from kube_userspace_proxy import statefile
 from kube_userspace_proxy.model import Endpoint, ServicePortInfo, ServicePortName, Snapshot
+from kube_userspace_proxy.restart import statefile
 
 
 def _snapshot(count: int) -> Snapshot:

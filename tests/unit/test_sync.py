@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import time
 
-from kube_userspace_proxy.sync import BoundedFrequencyRunner
+from kube_userspace_proxy.app.runner import BoundedFrequencyRunner
 
 
 async def _until(predicate, seconds: float = 3.0) -> None:  # type: ignore[no-untyped-def]

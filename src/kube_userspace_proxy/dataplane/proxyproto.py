@@ -14,6 +14,8 @@ import socket
 import struct
 from typing import Any
 
+from kube_userspace_proxy.model import Address
+
 SO_ORIGINAL_DST = 80
 """linux/netfilter_ipv4.h; IP6T_SO_ORIGINAL_DST (linux/netfilter_ipv6/ip6_tables.h) is 80 too."""
 V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
@@ -21,8 +23,6 @@ _V2_PROXY = 0x21  # version 2, command PROXY
 _V2_TCP4 = 0x11  # AF_INET, STREAM
 _V2_TCP6 = 0x21  # AF_INET6, STREAM
 _MAPPED = "::ffff:"
-
-Address = tuple[str, int]
 
 
 def original_destination(sock: Any) -> Address:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 from kube_userspace_proxy import logs
@@ -136,3 +136,7 @@ class Notices:
 
 notices = Notices()
 """The process's one rate limiter for descriptor-exhaustion warnings."""
+
+
+COUNTERS = tuple(f.name for f in fields(ConnStats))
+"""ConnStats' counter names, in the order workers send them to the control process."""

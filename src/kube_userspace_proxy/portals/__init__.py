@@ -19,12 +19,11 @@ from kube_userspace_proxy.portals.backends import (
 from kube_userspace_proxy.portals.desired import explain
 from kube_userspace_proxy.portals.plan import Backend
 from kube_userspace_proxy.portals.reconcile import VERIFY_PERIOD, Portals
-from kube_userspace_proxy.portals.rules import ClaimKey, Rule, served_families
+from kube_userspace_proxy.portals.rules import Rule, served_families
 
 __all__ = [
     "VERIFY_PERIOD",
     "Backend",
-    "ClaimKey",
     "Portals",
     "PortalsError",
     "Rule",

@@ -11,8 +11,8 @@ import os
 import subprocess
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.addresses import Family
 from kube_userspace_proxy.errors import PortalsError
-from kube_userspace_proxy.netutil import Family
 from kube_userspace_proxy.portals import plan
 from kube_userspace_proxy.portals.plan import Backend, Delete, DropChain
 from kube_userspace_proxy.portals.restore import RestoreBackend, binary

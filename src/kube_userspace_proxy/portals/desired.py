@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from itertools import chain as chain_of
 
+from kube_userspace_proxy.addresses import Family, ip_family
 from kube_userspace_proxy.model import ProxiedPort, ServicePortName
-from kube_userspace_proxy.netutil import Family, ip_family
 from kube_userspace_proxy.portals.plan import TableRules
 from kube_userspace_proxy.portals.rules import (
     CHAINS,

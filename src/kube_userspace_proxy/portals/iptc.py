@@ -34,8 +34,8 @@ from typing import Any, Literal
 import iptc
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.addresses import Family, join_host_port
 from kube_userspace_proxy.errors import PortalsError
-from kube_userspace_proxy.netutil import Family, join_host_port
 from kube_userspace_proxy.portals.plan import (
     Append,
     Delete,

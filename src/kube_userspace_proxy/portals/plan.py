@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kube_userspace_proxy.netutil import Family
+from kube_userspace_proxy.addresses import Family
 from kube_userspace_proxy.portals.rules import CHAINS, FILTER, PROXY_PORTS, Rule, base_chain
 
 REWRITE_MIN = 256

@@ -25,9 +25,9 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.addresses import Family, ip_family
 from kube_userspace_proxy.errors import PortalsError
-from kube_userspace_proxy.model import ProxiedPort, ServicePortName
-from kube_userspace_proxy.netutil import Family, ip_family
+from kube_userspace_proxy.model import ClaimKey, ProxiedPort, ServicePortName
 from kube_userspace_proxy.portals import plan
 from kube_userspace_proxy.portals.backends import cleanup_all, kernel_has_match
 from kube_userspace_proxy.portals.desired import Desired
@@ -40,7 +40,6 @@ from kube_userspace_proxy.portals.rules import (
     CONTAINER_PORTALS,
     NAT,
     TABLES,
-    ClaimKey,
     Rule,
     Settings,
     base_chain,

@@ -25,8 +25,8 @@ from collections.abc import Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.addresses import Family
 from kube_userspace_proxy.errors import PortalsError
-from kube_userspace_proxy.netutil import Family
 from kube_userspace_proxy.portals.plan import (
     Append,
     Delete,

@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar, dataclass_transform
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.model import Path, ProxiedPort, ServicePortName
-from kube_userspace_proxy.netutil import Family, ip_family, join_host_port
+from kube_userspace_proxy.addresses import Family, ip_family, join_host_port
+from kube_userspace_proxy.model import ClaimKey, Path, ProxiedPort, ServicePortName
 
 CONTAINER_PORTALS = "KUBE-PORTALS-CONTAINER"
 HOST_PORTALS = "KUBE-PORTALS-HOST"
@@ -586,9 +586,6 @@ def render_port(
         r.rules, r.guards = [], []
     return tuple(r.rules), tuple(r.guards), r.skipped
 
-
-ClaimKey = tuple[str, str, str]
-"""(service port `ns/name:port`, protocol "TCP"/"UDP", path "cluster"/"external")."""
 
 _COMMENT = re.compile(r'--comment (?:"((?:[^"\\]|\\.)*)"|(\S+))')
 _PROTOCOL = re.compile(r"(?:^| )-p (\S+)")

@@ -16,8 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from kube_userspace_proxy import kubeproxyconfig as kpc
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.config import kubeproxy as kpc
 from kube_userspace_proxy.errors import ConfigError
 
 log = logs.get(__name__)

@@ -12,8 +12,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.model import Endpoint, ServicePortInfo, ServicePortName, Snapshot
-from kube_userspace_proxy.objects import (
+from kube_userspace_proxy.cluster.objects import (
     Key,
     Malformed,
     Skip,
@@ -26,6 +25,7 @@ from kube_userspace_proxy.objects import (
     parse_slice,
     trigger_time,
 )
+from kube_userspace_proxy.model import Endpoint, ServicePortInfo, ServicePortName, Snapshot
 
 log = logs.get(__name__)
 

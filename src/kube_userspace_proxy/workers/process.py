@@ -1,6 +1,6 @@
 """A data-plane worker process: serves every proxy port the control process sends it.
 
-Started by the control process as `python -m kube_userspace_proxy.worker` with one end of a
+Started by the control process as `python -m kube_userspace_proxy.workers.process` with one end of a
 socketpair. It holds the data plane only (listeners, endpoint pools, connections) and never
 imports the control plane's libraries (kubernetes_asyncio, aiohttp, pydantic, iptc), so it
 starts small. Each table it receives is the complete set of served ports; it reconciles its
@@ -22,18 +22,17 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kube_userspace_proxy import channel, collector, fdpass, logs
+from kube_userspace_proxy import collector, fdpass, logs
 from kube_userspace_proxy.balancer import PINS_SHOWN, EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
+from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.dataplane.tcp import is_listening
-from kube_userspace_proxy.model import Endpoint, Protocol, ServicePortName
+from kube_userspace_proxy.model import Address, Endpoint, Protocol, ServicePortName, SocketKey
+from kube_userspace_proxy.workers import channel
 
 log = logs.get(__name__)
 
-Key = tuple[str, str, int]
 """(protocol, host, port) of one served socket."""
-Address = tuple[str, int]
-COUNTERS = tuple(f.name for f in dataclasses.fields(ConnStats))
 HANDOVER_TIMEOUT = 60.0
 """Seconds a worker waits for its predecessor's sockets (the old process may be busy)."""
 REPORT_PART = 250
@@ -77,19 +76,19 @@ class Worker:
         self.index = index
         self._reader = reader
         self._writer = writer
-        self._served: dict[Key, _Served] = {}
+        self._served: dict[SocketKey, _Served] = {}
         self._pools: dict[int, _Pool] = {}
         self._stats: dict[str, ConnStats] = {}
-        self._events: list[tuple[str, Key]] = []
+        self._events: list[tuple[str, SocketKey]] = []
         self._programs: dict[tuple[int, ...], bytes] = {}
-        self._routes: dict[Key, tuple[int, ...]] = {}
-        self._group_socks: dict[Key, socket.socket] = {}
+        self._routes: dict[SocketKey, tuple[int, ...]] = {}
+        self._group_socks: dict[SocketKey, socket.socket] = {}
         self._retired: list[TcpListener | UdpListener] = []
         # Sockets the same slot's worker of the process this one replaces handed over.
-        self._adopted: dict[Key, socket.socket] = {}
+        self._adopted: dict[SocketKey, socket.socket] = {}
         # Ports of the table this worker failed to open (EMFILE, say): reported with every
         # answer, so the control process sends them again until they serve.
-        self._unserved: set[Key] = set()
+        self._unserved: set[SocketKey] = set()
         self.udp_idle_timeout = 0.25
         self.tcp_keepalive = 15.0
 
@@ -145,9 +144,9 @@ class Worker:
         self,
         seq: int,
         settings: dict[str, Any],
-        listeners: Sequence[tuple[Key, str, int, int]],
+        listeners: Sequence[tuple[SocketKey, str, int, int]],
         pools: dict[int, PoolEntry],
-        routes: dict[Key, tuple[int, ...]],
+        routes: dict[SocketKey, tuple[int, ...]],
     ) -> None:
         """Make the listeners and pools match the whole table; report group joins and leaves."""
         changed = self._take(settings, pools, routes)
@@ -164,10 +163,10 @@ class Worker:
         self,
         seq: int,
         settings: dict[str, Any],
-        listeners: Sequence[tuple[Key, str, int, int]],
-        removed: Sequence[Key],
+        listeners: Sequence[tuple[SocketKey, str, int, int]],
+        removed: Sequence[SocketKey],
         pools: dict[int, PoolEntry],
-        routes: dict[Key, tuple[int, ...]],
+        routes: dict[SocketKey, tuple[int, ...]],
     ) -> None:
         """Take the ports changed since the last table or delta (`removed`: gone); the rest
         stays as it is. Costs time in proportion to the change."""
@@ -185,7 +184,7 @@ class Worker:
         self,
         settings: dict[str, Any],
         pools: dict[int, PoolEntry],
-        routes: dict[Key, tuple[int, ...]],
+        routes: dict[SocketKey, tuple[int, ...]],
     ) -> set[int]:
         """Take the settings, routes and pools of a table or delta; the pools that changed."""
         self.udp_idle_timeout = float(settings.get("udp_idle_timeout", self.udp_idle_timeout))
@@ -206,7 +205,7 @@ class Worker:
                 changed.add(pool_id)
         return changed
 
-    async def _drop(self, keys: Sequence[Key]) -> None:
+    async def _drop(self, keys: Sequence[SocketKey]) -> None:
         for key in keys:
             self._unserved.discard(key)
             served = self._served.pop(key, None)
@@ -214,7 +213,7 @@ class Worker:
                 await self._retire(key, served.listener)
 
     async def _upsert(
-        self, listeners: Sequence[tuple[Key, str, int, int]], changed: set[int]
+        self, listeners: Sequence[tuple[SocketKey, str, int, int]], changed: set[int]
     ) -> None:
         for key, name, pool_id, v6only in listeners:
             pool = self._pools[pool_id]
@@ -254,7 +253,7 @@ class Worker:
         gc.freeze()
 
     async def _open(
-        self, key: Key, name: str, pool: _Pool, v6only: int
+        self, key: SocketKey, name: str, pool: _Pool, v6only: int
     ) -> TcpListener | UdpListener:
         adopted = self._adopted.pop(key, None)
         if adopted is not None:
@@ -294,7 +293,7 @@ class Worker:
         return stats
 
     async def _open_adopted(
-        self, key: Key, name: str, pool: _Pool, sock: socket.socket
+        self, key: SocketKey, name: str, pool: _Pool, sock: socket.socket
     ) -> TcpListener | UdpListener:
         """Serve a handed-over socket: it keeps its place in the group (no join to report)."""
         stats = self._stats_of(name)
@@ -369,7 +368,7 @@ class Worker:
             error = repr(exc)
         channel.send(self._writer, ("exported", seq, self.index, len(items), error))
 
-    async def _retire(self, key: Key, listener: TcpListener | UdpListener) -> None:
+    async def _retire(self, key: SocketKey, listener: TcpListener | UdpListener) -> None:
         await listener.close()
         if isinstance(listener, UdpListener):
             self._membership(key, None)
@@ -377,7 +376,7 @@ class Worker:
         if listener.active_connections:
             self._retired.append(listener)
 
-    def _membership(self, key: Key, sock: socket.socket | None) -> None:
+    def _membership(self, key: SocketKey, sock: socket.socket | None) -> None:
         """A socket of ours joined (`sock`) or left (None) the group of `key`."""
         self._events.append(("join" if sock is not None else "leave", key))
         if sock is None:
@@ -388,7 +387,7 @@ class Worker:
         if route is not None:
             self._attach(key, sock, route)
 
-    def _attach(self, key: Key, sock: socket.socket, route: tuple[int, ...]) -> None:
+    def _attach(self, key: SocketKey, sock: socket.socket, route: tuple[int, ...]) -> None:
         code = self._programs.get(route)
         if code is None:
             code = self._programs[route] = steering.program(route)
@@ -397,7 +396,7 @@ class Worker:
         except OSError as exc:
             log.error("worker %d: cannot steer %s %s:%d: %s", self.index, *key, exc)
 
-    def steer(self, routes: dict[Key, tuple[int, ...]]) -> None:
+    def steer(self, routes: dict[SocketKey, tuple[int, ...]]) -> None:
         """Attach the programs for changed groups (to the sockets this worker has in them)."""
         for key, route in routes.items():
             if key not in self._served:

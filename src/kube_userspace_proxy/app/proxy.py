@@ -19,29 +19,29 @@ from typing import Any, TypeVar, cast
 
 import uvloop
 
-from kube_userspace_proxy import collector, handover, logs, netutil, statefile
-from kube_userspace_proxy import kubeproxyconfig as kpc
-from kube_userspace_proxy.config import ProxyConfig, effective_document
+from kube_userspace_proxy import addresses, collector, logs
+from kube_userspace_proxy.app.runner import BoundedFrequencyRunner
+from kube_userspace_proxy.cluster.sources import Source
+from kube_userspace_proxy.cluster.sources.manifests import ManifestSource
+from kube_userspace_proxy.cluster.state import ClusterState
+from kube_userspace_proxy.config import kubeproxy as kpc
+from kube_userspace_proxy.config.settings import ProxyConfig, effective_document
 from kube_userspace_proxy.errors import ProxyError
-from kube_userspace_proxy.health import ProxyHealth, watch_lag
-from kube_userspace_proxy.metrics import ProxyMetrics, SourceCounters
-from kube_userspace_proxy.model import ProxiedPort, Snapshot
-from kube_userspace_proxy.ops import OpsServer, start_ops
+from kube_userspace_proxy.model import ClaimKey, ProxiedPort, Snapshot
+from kube_userspace_proxy.ops.health import ProxyHealth, watch_lag
+from kube_userspace_proxy.ops.metrics import ProxyMetrics, SourceCounters
+from kube_userspace_proxy.ops.server import OpsServer, start_ops
+from kube_userspace_proxy.ops.servicehealth import NoLocalEndpoints, ServiceHealthServers
 from kube_userspace_proxy.portals import Portals, explain, make_backend
 from kube_userspace_proxy.ports import PortAllocator
-from kube_userspace_proxy.proxier import (
-    ClaimKey,
+from kube_userspace_proxy.proxier.reconciler import (
     DataPlane,
     LocalDataPlane,
     Proxier,
     local_addresses_in,
 )
-from kube_userspace_proxy.servicehealth import NoLocalEndpoints, ServiceHealthServers
-from kube_userspace_proxy.sources import Source
-from kube_userspace_proxy.sources.manifests import ManifestSource
-from kube_userspace_proxy.state import ClusterState
-from kube_userspace_proxy.sync import BoundedFrequencyRunner
-from kube_userspace_proxy.workerpool import WorkerPool
+from kube_userspace_proxy.restart import handover, statefile
+from kube_userspace_proxy.workers.pool import WorkerPool
 
 log = logs.get(__name__)
 T = TypeVar("T")
@@ -182,7 +182,7 @@ class Proxy:
             self.proxier.set_rule_sink(_CountingRules(portals, self.metrics))
             self.portals = portals
         self.state = ClusterState(
-            node_name=netutil.node_name(config.hostname_override or None),
+            node_name=addresses.node_name(config.hostname_override or None),
             service_proxy_name=config.service_proxy_name or None,
             on_change=self._changed,
             loopback_endpoints=config.allows_loopback_endpoints,
@@ -213,7 +213,7 @@ class Proxy:
     def _node_port_addresses(self) -> Sequence[str]:
         if not self.config.nodeport_addresses:
             return (self.config.bind_address,)
-        return local_addresses_in(self.config.nodeport_addresses, netutil.local_addresses())
+        return local_addresses_in(self.config.nodeport_addresses, addresses.local_addresses())
 
     def _changed(self) -> None:
         self.health.queued_update()
@@ -515,7 +515,7 @@ def _families(bind_address: str) -> tuple[str, ...]:
     """The IP families the proxy ports serve, as kube-proxy names them in health bodies."""
     if bind_address == "::":
         return ("IPv4", "IPv6")  # dual stack (IPV6_V6ONLY off)
-    return ("IPv6",) if netutil.ip_family(bind_address) == 6 else ("IPv4",)
+    return ("IPv6",) if addresses.ip_family(bind_address) == 6 else ("IPv4",)
 
 
 def build(config: ProxyConfig) -> Proxy:
@@ -531,7 +531,7 @@ def make_source(
         return ManifestSource(list(config.manifests), state)
     # Imported here: kubernetes_asyncio takes a quarter of the start-up, which a restart from
     # the state file does not wait for.
-    from kube_userspace_proxy.sources.kube import KubeSource  # noqa: PLC0415
+    from kube_userspace_proxy.cluster.sources.kube import KubeSource  # noqa: PLC0415
 
     return KubeSource(
         state,
@@ -570,7 +570,7 @@ async def _check_client_configuration(config: ProxyConfig) -> None:
     """Raise ConfigError (exit 2) when the API server's client configuration is unusable."""
     if config.manifests:
         return
-    from kube_userspace_proxy.sources.kube import load_client_configuration  # noqa: PLC0415
+    from kube_userspace_proxy.cluster.sources.kube import load_client_configuration  # noqa: PLC0415
 
     await load_client_configuration(config.kubeconfig or None, config.master or None)
 

@@ -30,7 +30,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from kube_userspace_proxy import objects
+from kube_userspace_proxy.cluster import objects
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.model import Protocol, ServicePortName
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
-from kube_userspace_proxy import logs, netutil
+from kube_userspace_proxy import addresses, logs
 from kube_userspace_proxy.model import (
     DEFAULT_AFFINITY_TIMEOUT_SECONDS,
     Protocol,
@@ -138,7 +138,7 @@ def _ip(value: Any, where: str, version: int | None = None) -> str:
 def _forbidden(ip: str, obj_kind: str, field: str, *, loopback: bool = False) -> str | None:
     """The kind of a canonical address that is never proxied (counted), or None."""
     packed = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
-    kind = netutil.forbidden_kind(packed)
+    kind = addresses.forbidden_kind(packed)
     if kind == "loopback" and loopback:
         return None
     if kind is not None:
@@ -369,7 +369,7 @@ class Skip(Exception):
 def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> Slice:
     """The ports and endpoints of one EndpointSlice; raises Skip or Malformed.
 
-    Endpoints on addresses that are never proxied (`netutil.forbidden_kind`) are dropped, each
+    Endpoints on addresses that are never proxied (`addresses.forbidden_kind`) are dropped, each
     logged and counted; `loopback` lets loopback ones through (manifests for the demo, tests).
     """
     meta = _mapping(obj, "metadata", "")
@@ -451,11 +451,11 @@ def parse_node(node: Mapping[str, Any]) -> tuple[tuple[str, ...], bool]:
             raise Malformed(f"spec.taints[{i}]: expected an object, got {taint!r}")
         if taint.get("key") == TAINT_TO_BE_DELETED:
             eligible = False
-    addresses = _items(_mapping(node, "status", ""), "addresses", "status.")
-    for i, address in enumerate(addresses):
+    listed = _items(_mapping(node, "status", ""), "addresses", "status.")
+    for i, address in enumerate(listed):
         where = f"status.addresses[{i}]"
         if not isinstance(address, Mapping):
             raise Malformed(f"{where}: expected an object, got {address!r}")
         if address.get("type") in {"InternalIP", "ExternalIP"}:
             _ip(address.get("address"), f"{where}.address")
-    return netutil.node_ips(node), eligible
+    return addresses.node_ips(node), eligible

@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.cluster.state import ClusterState, Kind
 from kube_userspace_proxy.errors import ManifestError
-from kube_userspace_proxy.state import ClusterState, Kind
 
 log = logs.get(__name__)
 

@@ -23,19 +23,19 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from kube_userspace_proxy import channel, fdpass, logs
+from kube_userspace_proxy import fdpass, logs
 from kube_userspace_proxy.balancer import PINS_SHOWN, BalancerView, EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats, Picker, steering
+from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.errors import ProxyError
+from kube_userspace_proxy.model import Address, SocketKey
+from kube_userspace_proxy.workers import channel
 
 log = logs.get(__name__)
 
-Key = tuple[str, str, int]
-Address = tuple[str, int]
 Pins = list[tuple[str, Address, float]]
 CONTROL = -1
 """The member id of the control process's own (UDP) socket in a reuseport group."""
-COUNTERS = tuple(f.name for f in dataclasses.fields(ConnStats))
 GAUGES = frozenset({"active", "udp_sessions_active"})
 START_TIMEOUT = 10.0
 CHANNEL_BUFFER = 4 * 1024 * 1024
@@ -65,7 +65,7 @@ class SharedPort:
         self._sock: socket.socket | None = sock
         address = sock.getsockname()
         protocol = "TCP" if sock.type == socket.SOCK_STREAM else "UDP"
-        self.key: Key = (protocol, address[0], address[1])
+        self.key: SocketKey = (protocol, address[0], address[1])
         self.v6only = (
             sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
             if sock.family == socket.AF_INET6
@@ -166,12 +166,12 @@ class WorkerPool:
         self._spare_task: asyncio.Task[None] | None = None
         self._replacing: set[asyncio.Task[None]] = set()  # watchers replacing a dead worker
         self._failures = [0] * count
-        self._ports: dict[Key, SharedPort] = {}
-        self._groups: dict[Key, list[int]] = {}
+        self._ports: dict[SocketKey, SharedPort] = {}
+        self._groups: dict[SocketKey, list[int]] = {}
         # The route whose program each group holds now, as last given to a worker (a group
         # of one socket needs none: it gets every connection). Attaching one costs the kernel
         # a compile (~20-80 us): not again for the same route, 10,000 times per start.
-        self._programs: dict[Key, tuple[int, ...]] = {}
+        self._programs: dict[SocketKey, tuple[int, ...]] = {}
         self._pool_ids: weakref.WeakKeyDictionary[Picker, int] = weakref.WeakKeyDictionary()
         self._next_pool_id = itertools.count(1)
         self._seq = itertools.count(1)
@@ -188,12 +188,12 @@ class WorkerPool:
         self._adopting: dict[int, asyncio.Future[Any]] = {}
         self._published = False  # a table (or delta) went out: restarted workers need one
         # Ports to send at the next publish (added or changed) and ports removed since.
-        self._dirty: dict[Key, SharedPort] = {}
-        self._removed: set[Key] = set()
+        self._dirty: dict[SocketKey, SharedPort] = {}
+        self._removed: set[SocketKey] = set()
         # Per published port: whether the workers' sockets are in its reuseport group.
-        self._joined: dict[Key, bool] = {}
+        self._joined: dict[SocketKey, bool] = {}
         # What the last deltas carried, per port and per pool.
-        self._sent_ports: dict[Key, Any] = {}
+        self._sent_ports: dict[SocketKey, Any] = {}
         self._sent_pools: dict[int, Any] = {}
         self.deltas = 0
         """Deltas published (each carries only the ports changed since the previous)."""
@@ -206,7 +206,7 @@ class WorkerPool:
         self.restarts = 0
         """Workers replaced after an unexpected exit."""
         # Ports each worker (by index) reported it could not open, and the retry of them.
-        self._unserved: dict[int, frozenset[Key]] = {}
+        self._unserved: dict[int, frozenset[SocketKey]] = {}
         self._retries = 0
         self._retry_handle: asyncio.TimerHandle | None = None
         self._retry_task: asyncio.Task[None] | None = None
@@ -285,7 +285,7 @@ class WorkerPool:
             self.deltas += 1
             self.ports_sent += len(listeners)
             delta = (listeners, sorted(removed), pools)
-            changed: set[Key] = set()
+            changed: set[SocketKey] = set()
             live = self._live()
             if not regrouped:
                 seq = next(self._seq)
@@ -297,7 +297,7 @@ class WorkerPool:
                 changed = await self._send_in_order(live, delta)
             self._steer(changed)
 
-    async def _send_in_order(self, live: list[_Worker], delta: tuple[Any, ...]) -> set[Key]:
+    async def _send_in_order(self, live: list[_Worker], delta: tuple[Any, ...]) -> set[SocketKey]:
         """Send a delta that changes reuseport groups to one worker after the other, in parts
         of PART ports: a worker gets a part once the worker before it has applied that part.
         Each port's joins still come in a known order (the routes depend on it), while the
@@ -307,7 +307,7 @@ class WorkerPool:
         listeners, removed, pools = delta
         parts = [listeners[i : i + PART] for i in range(0, len(listeners), PART)] or [[]]
         applied = [[asyncio.Event() for _ in parts] for _ in live]
-        changed: set[Key] = set()
+        changed: set[SocketKey] = set()
 
         async def feed(k: int, worker: _Worker) -> None:
             for i, part in enumerate(parts):
@@ -326,7 +326,7 @@ class WorkerPool:
         """Ports some worker could not open at its last answer, summed over the workers."""
         return sum(len(keys) for keys in self._unserved.values())
 
-    def unserved_ports(self, index: int) -> frozenset[Key]:
+    def unserved_ports(self, index: int) -> frozenset[SocketKey]:
         """The ports worker `index` reported it could not open."""
         return self._unserved.get(index, frozenset())
 
@@ -338,7 +338,7 @@ class WorkerPool:
             self._sent_ports.pop(key, None)  # send it though its entry has not changed
         return bool(keys)
 
-    def _note_unserved(self, worker: _Worker, keys: frozenset[Key]) -> None:
+    def _note_unserved(self, worker: _Worker, keys: frozenset[SocketKey]) -> None:
         """Take a worker's list of the ports it could not open; retry them with a backoff."""
         if keys:
             self._unserved[worker.index] = keys
@@ -399,7 +399,7 @@ class WorkerPool:
         now = time.monotonic()
         return max((now - w.answered for w in self._live()), default=0.0)
 
-    def members(self, key: Key) -> tuple[int, ...]:
+    def members(self, key: SocketKey) -> tuple[int, ...]:
         """The reuseport group of `key` as tracked: worker numbers in the kernel's order."""
         return tuple(self._groups.get(key, ()))
 
@@ -456,7 +456,7 @@ class WorkerPool:
             process = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "kube_userspace_proxy.worker",
+                "kube_userspace_proxy.workers.process",
                 "--fd",
                 str(theirs.fileno()),
                 "--index",
@@ -676,7 +676,7 @@ class WorkerPool:
         self._waiting[(kind, worker, seq)] = future
         return future
 
-    async def _send(self, worker: _Worker, kind: str, content: tuple[Any, ...]) -> set[Key]:
+    async def _send(self, worker: _Worker, kind: str, content: tuple[Any, ...]) -> set[SocketKey]:
         """Send `worker` a table or delta of its own, with the routes for the groups its
         sockets will join; returns the groups whose members changed."""
         listeners, pools = content[0], content[-1]
@@ -696,7 +696,7 @@ class WorkerPool:
         self.programs_sent += len(routes)
         return await self._apply(worker, body, seq)
 
-    async def _apply(self, worker: _Worker, body: bytes, seq: int) -> set[Key]:
+    async def _apply(self, worker: _Worker, body: bytes, seq: int) -> set[SocketKey]:
         """Send `worker` an encoded table or delta and wait for its answer; returns the
         groups whose members changed."""
         done = self._request(worker, "applied", seq)
@@ -712,7 +712,7 @@ class WorkerPool:
             return set()
         if len(reply) > 4:
             self._note_unserved(worker, frozenset(tuple(key) for key in reply[4]))
-        changed: set[Key] = set()
+        changed: set[SocketKey] = set()
         for event, key in reply[3]:
             changed.add(key)
             if event == "join":
@@ -721,7 +721,7 @@ class WorkerPool:
                 self._leave(key, worker.index)
         return changed
 
-    def _leave(self, key: Key, member: int) -> None:
+    def _leave(self, key: SocketKey, member: int) -> None:
         """As the kernel does: the group's last socket takes the leaver's place."""
         members = self._groups.get(key)
         if members is None or member not in members:
@@ -733,7 +733,7 @@ class WorkerPool:
             del self._groups[key]
             self._programs.pop(key, None)
 
-    def _steer(self, keys: set[Key]) -> None:
+    def _steer(self, keys: set[SocketKey]) -> None:
         """Send the workers the routes of the groups in `keys` whose program must change."""
         routes = {}
         for key in keys:
@@ -817,11 +817,11 @@ class WorkerPool:
 
     # ---- handing the workers' sockets over to the next process --------------------------------
 
-    def groups(self) -> dict[Key, list[int]]:
+    def groups(self) -> dict[SocketKey, list[int]]:
         """Every reuseport group as tracked: worker numbers in the kernel's order."""
         return {key: list(members) for key, members in self._groups.items()}
 
-    def adopt_groups(self, groups: dict[Key, list[int]]) -> None:
+    def adopt_groups(self, groups: dict[SocketKey, list[int]]) -> None:
         """Before the first table: the groups of the sockets handed over, in the order the
         process that made them tracked (same sockets: the same order, so steering holds)."""
         self._groups = {key: list(members) for key, members in groups.items()}

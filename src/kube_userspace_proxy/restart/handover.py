@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from kube_userspace_proxy import fdpass, logs
 from kube_userspace_proxy.errors import ProxyError
+from kube_userspace_proxy.model import SocketKey
 
 log = logs.get(__name__)
 
@@ -45,7 +46,6 @@ CONNECT_TIMEOUT = 2.0
 STEP_TIMEOUT = 60.0
 """Seconds either side waits for the other's next message (a busy node is slow)."""
 
-Key = tuple[str, str, int]
 Description = list[Any]
 
 
@@ -202,7 +202,7 @@ class Taken:
     peer: int
     sockets: list[tuple[Description, socket.socket]] = field(default_factory=list)
     state: bytes = b""
-    groups: dict[Key, list[int]] = field(default_factory=dict)
+    groups: dict[SocketKey, list[int]] = field(default_factory=dict)
 
     def claim(self, kind: str) -> list[tuple[Description, socket.socket]]:
         """Take the sockets of `kind` ("port", "nodeport", "health", "ops"): the caller owns

@@ -22,6 +22,8 @@ from kube_userspace_proxy.balancer import PINS_SHOWN, BalancerView, EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats, Picker, TcpListener, UdpListener
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
+    Address,
+    ClaimKey,
     Endpoint,
     Path,
     Protocol,
@@ -29,6 +31,7 @@ from kube_userspace_proxy.model import (
     ServicePortInfo,
     ServicePortName,
     Snapshot,
+    SocketKey,
 )
 from kube_userspace_proxy.ports import DescriptorBudget, PortAllocator
 
@@ -38,9 +41,6 @@ LOG_EACH_OPENED = 100
 """New service ports in one sync up to which each gets an INFO line."""
 SLICE_SECONDS = 0.004
 """Longest run of reconciling service ports between two turns of the event loop."""
-
-
-Address = tuple[str, int]
 
 
 class Listener(TypingProtocol):
@@ -158,12 +158,6 @@ class LocalDataPlane:
 _local: DataPlane = LocalDataPlane()  # conformance: LocalDataPlane is a DataPlane
 
 
-ClaimKey = tuple[str, str, str]
-"""(`ns/name:port`, protocol, path): how installed rules name the proxy port they target."""
-NodePortKey = tuple[str, str, int]
-"""(protocol, address, NodePort) of a NodePort socket."""
-
-
 class RuleSink(TypingProtocol):
     """What the proxier needs of the portals: take the full desired set, apply the difference."""
 
@@ -259,7 +253,7 @@ class Proxier:
         self._preferred: dict[ClaimKey, int] = {}
         # Sockets an earlier process handed over (`adopt`), used instead of binding anew.
         self._adopted_claims: dict[ClaimKey, socket.socket] = {}
-        self._adopted_node_ports: dict[NodePortKey, socket.socket] = {}
+        self._adopted_node_ports: dict[SocketKey, socket.socket] = {}
         self._adopted: set[int] = set()  # their descriptors, until a listener takes them
         self.node_name: str | None = None
 
@@ -271,7 +265,7 @@ class Proxier:
     def adopt(
         self,
         claims: dict[ClaimKey, socket.socket],
-        node_ports: dict[NodePortKey, socket.socket],
+        node_ports: dict[SocketKey, socket.socket],
     ) -> None:
         """Before the first sync: serve on these sockets, handed over by the process this one
         replaces, instead of binding new ones (same sockets: same backlogs, same groups)."""

@@ -29,16 +29,16 @@ import aiohttp
 from kubernetes_asyncio import client as kclient
 from kubernetes_asyncio import config as kconfig
 
-from kube_userspace_proxy import logs, netutil
-from kube_userspace_proxy.errors import ConfigError, ProxyError
-from kube_userspace_proxy.sources.retry import (
+from kube_userspace_proxy import addresses, logs
+from kube_userspace_proxy.cluster.sources.retry import (
     MAX_RETRY_AFTER,
     Backoff,
     RateLimiter,
     parse_retry_after,
 )
-from kube_userspace_proxy.state import ClusterState, Event
-from kube_userspace_proxy.state import Kind as ListedKind
+from kube_userspace_proxy.cluster.state import ClusterState, Event
+from kube_userspace_proxy.cluster.state import Kind as ListedKind
+from kube_userspace_proxy.errors import ConfigError, ProxyError
 
 log = logs.get(__name__)
 
@@ -290,7 +290,7 @@ class KubeSource:
         self._on_request = on_request
         self._kubeconfig = kubeconfig or None
         self._master = master or None
-        self.node_name = netutil.node_name(node_name)
+        self.node_name = addresses.node_name(node_name)
         self.label_selector = label_selector(service_proxy_name)
         self._limiter = RateLimiter(qps, burst)
         self._backoff = (backoff_initial, backoff_max)

@@ -19,11 +19,11 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.debugui import DebugUi, RuleSource
 from kube_userspace_proxy.errors import ConfigError, PortInUseError
-from kube_userspace_proxy.health import ProxyHealth
-from kube_userspace_proxy.httpguard import GuardedSite
-from kube_userspace_proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from kube_userspace_proxy.ops.debugui import DebugUi, RuleSource
+from kube_userspace_proxy.ops.health import ProxyHealth
+from kube_userspace_proxy.ops.httpguard import GuardedSite
+from kube_userspace_proxy.ops.metrics import CONTENT_TYPE, ProxyMetrics
 
 log = logs.get(__name__)
 

@@ -47,7 +47,7 @@ _COMMENT = re.compile(r'--comment (?:"([^"]*)"|(\S+))')
 
 def page() -> bytes:
     """The page, as packaged."""
-    ref = importlib.resources.files("kube_userspace_proxy") / "static" / "debug-ui.html"
+    ref = importlib.resources.files("kube_userspace_proxy.ops") / "static" / "debug-ui.html"
     return ref.read_bytes()
 
 

@@ -18,8 +18,8 @@ from typing import Any
 from aiohttp import web
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.health import HTTP_OK, HTTP_UNAVAILABLE, ProxyHealth
 from kube_userspace_proxy.model import ServicePortInfo, ServicePortName, Snapshot
+from kube_userspace_proxy.ops.health import HTTP_OK, HTTP_UNAVAILABLE, ProxyHealth
 
 log = logs.get(__name__)
 
