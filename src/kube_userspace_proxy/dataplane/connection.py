@@ -188,6 +188,7 @@ class Connection(asyncio.Protocol):
         "fds",
         "in_done",
         "out_done",
+        "peer",
         "pending",
         "pending_size",
         "pump_in",
@@ -220,10 +221,12 @@ class Connection(asyncio.Protocol):
         self.pump_out: splicing.SplicePump | None = None
         self.fds: tuple[int, int] | None = None
         self.ep: Tally = _NO_TALLY  # the endpoint's counters, once dialed
+        self.peer: tuple[Any, ...] = ("", 0)  # the client, as accept() returned it
 
-    def start(self, sock: socket.socket, client_ip: str) -> None:
-        """Serve an accepted client socket: one task wraps it in a transport, then dials."""
-        self.dial = self.shared.loop.create_task(self._serve(sock, client_ip))
+    def start(self, sock: socket.socket, peer: tuple[Any, ...]) -> None:
+        """Serve an accepted client socket from `peer` (accept()'s address): wrap it, then dial."""
+        self.peer = peer
+        self.dial = self.shared.loop.create_task(self._serve(sock, peer[0]))
 
     def __call__(self) -> Connection:
         return self  # its own protocol factory, as BackendSide
@@ -421,14 +424,14 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _send_proxy_header(self, b: BackendSide) -> None:
-        """The PROXY protocol header goes first: the backend learns who the client is."""
+        """The PROXY protocol header goes first, always: the backend learns who the client is.
+
+        The client is named by the address accept() returned: a client that reset meanwhile
+        has no peer address any more, and its bytes must never reach the backend unheaded.
+        """
         sock = self.transport.get_extra_info("socket")
-        try:
-            head = proxyproto.for_connection(self.shared.picker.proxy_protocol, sock)
-        except (OSError, AttributeError, ValueError) as exc:  # the client is already gone
-            log.debug("%s: no PROXY header: %r", self.settings.name, exc)
-            return
-        b.transport.write(head)
+        version = self.shared.picker.proxy_protocol
+        b.transport.write(proxyproto.for_connection(version, sock, (self.peer[0], self.peer[1])))
 
     # --- ending
 
