@@ -32,6 +32,11 @@ PROBES = 10
 NODE = "node-1"
 
 
+def _closed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """The server closed (EOF) or reset this connection."""
+    return reader.at_eof() or reader.exception() is not None or writer.is_closing()
+
+
 class Neighbour:
     """Holds up to IDLE idle connections from NEIGHBOUR; `refill()` reopens closed ones."""
 
@@ -40,7 +45,13 @@ class Neighbour:
         self.conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def refill(self) -> None:
-        self.conns = [(r, w) for r, w in self.conns if not (r.at_eof() or w.is_closing())]
+        kept = []
+        for reader, writer in self.conns:
+            if _closed(reader, writer):
+                writer.close()
+            else:
+                kept.append((reader, writer))
+        self.conns = kept
         opened = await asyncio.gather(
             *(
                 asyncio.open_connection("127.0.0.1", self.port, local_addr=(NEIGHBOUR, 0))
@@ -50,9 +61,13 @@ class Neighbour:
         )
         self.conns += [c for c in opened if isinstance(c, tuple)]
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for _, writer in self.conns:
             writer.close()
+        for _, writer in self.conns:
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        self.conns = []
 
 
 async def probes_answered(port: int, path: str) -> int:
@@ -74,7 +89,7 @@ async def probes_answered(port: int, path: str) -> int:
                         answered += 1
                 await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - began)))
     finally:
-        neighbour.close()
+        await neighbour.close()
     return answered
 
 
@@ -165,13 +180,13 @@ async def test_health_check_node_ports_cap_the_connections_of_one_address() -> N
                 deadline = time.monotonic() + 30
                 while True:
                     await asyncio.sleep(0.1)
-                    alive = [w for _, w in neighbour.conns if not w.is_closing()]
+                    alive = [w for r, w in neighbour.conns if not _closed(r, w)]
                     if len(alive) <= httpguard.MAX_CONNECTIONS or time.monotonic() > deadline:
                         return len(alive)
 
             assert await settled() <= httpguard.MAX_CONNECTIONS_PER_CLIENT
         finally:
-            neighbour.close()
+            await neighbour.close()
 
 
 async def test_every_bound_and_every_refusal_is_a_metric(
@@ -183,7 +198,7 @@ async def test_every_bound_and_every_refusal_is_a_metric(
         await neighbour.refill()
         await _until(lambda: _eof_count(neighbour) >= IDLE - httpguard.MAX_CONNECTIONS_PER_CLIENT)
     finally:
-        neighbour.close()
+        await neighbour.close()
     async with (
         aiohttp.ClientSession() as http,
         http.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp,
@@ -209,7 +224,7 @@ async def test_every_bound_and_every_refusal_is_a_metric(
 
 
 def _eof_count(neighbour: Neighbour) -> int:
-    return sum(1 for _, w in neighbour.conns if w.is_closing())
+    return sum(1 for r, w in neighbour.conns if _closed(r, w))
 
 
 async def _until(check: Callable[[], bool], seconds: float = 30) -> None:

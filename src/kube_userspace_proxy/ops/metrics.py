@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from kube_userspace_proxy.cluster import objects
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.model import Protocol, ServicePortName
+from kube_userspace_proxy.ops.httpguard import SiteCollector
 
 PREFIX = "kube_userspace_proxy_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -387,6 +388,7 @@ class ProxyMetrics:
         self._layout = _Layout(())
         # Everything but the per-port families: small, formatted by prometheus-client.
         self._base = base = CollectorRegistry(auto_describe=True)
+        base.register(SiteCollector())
         if process_metrics:
             ProcessCollector(registry=base)
             PlatformCollector(registry=base)

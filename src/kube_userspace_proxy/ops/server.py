@@ -129,14 +129,15 @@ class OpsServer:
     def metrics_port(self) -> int | None:
         return self.metrics_address[1] if self.metrics_address else None
 
-    async def serve(self, app: web.Application, sock: socket.socket) -> tuple[str, int]:
-        """Serve `app` on a listening socket (owned from now on); returns the bound address."""
+    async def serve(self, app: web.Application, sock: socket.socket, kind: str) -> tuple[str, int]:
+        """Serve `app` on a listening socket (owned from now on) as the site `kind` (its name in
+        the metrics); returns the bound address."""
         # Probes and scrapers keep connections alive: do not wait long for them on close.
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         self._runners.append(runner)
         bound: tuple[str, int] = sock.getsockname()[:2]
-        site = GuardedSite(runner, sock)
+        site = GuardedSite(runner, sock, kind=kind)
         await site.start()
         self.sites.append(site)
         return bound
@@ -303,11 +304,11 @@ async def start_ops(
         pending = iter(sockets)
         if healthz_at is not None:
             app = _health_app(health, metrics)
-            server.healthz_address = await server.serve(app, next(pending))
+            server.healthz_address = await server.serve(app, next(pending), "healthz")
             log.info("Serving /healthz and /livez on %s", _show(server.healthz_address))
         if metrics_at is not None:
             app = _metrics_app(metrics, debug_state, configz, collect, rules)
-            server.metrics_address = await server.serve(app, next(pending))
+            server.metrics_address = await server.serve(app, next(pending), "metrics")
             log.info("Serving /metrics and /proxyMode on %s", _show(server.metrics_address))
     except BaseException:
         await server.close()
