@@ -167,6 +167,7 @@ _RUN_FLAGS = (
     _Flag("--config-sync-period", "config_sync_period", "duration"),
     _Flag("--healthz-bind-address", "healthz_bind_address", "str", "host:port"),
     _Flag("--metrics-bind-address", "metrics_bind_address", "str", "host:port"),
+    _Flag("--metrics-allowed-hosts", "metrics_allowed_hosts", "csv", "name list"),
     _Flag("--hostname-override", "hostname_override", "str", "name"),
     _Flag("--kubeconfig", "kubeconfig", "str", "path"),
     _Flag("--master", "master", "str", "URL"),

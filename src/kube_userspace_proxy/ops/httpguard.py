@@ -51,6 +51,8 @@ class SiteTally:
     refused_client: int = 0
     evicted: int = 0
     header_timeouts: int = 0
+    wrong_host: int = 0
+    """Requests refused for a Host header naming another server (the metrics site)."""
     max_connections: int = 0
     max_per_client: int = 0
     header_timeout: float = 0.0
@@ -228,6 +230,11 @@ class SiteCollector(Collector):
                 "Ops connections closed for sending no complete header in time.",
                 labels=site,
             ),
+            CounterMetricFamily(
+                _PREFIX + "requests_refused",
+                "Ops requests answered 421: their Host header named some other server.",
+                labels=site,
+            ),
             GaugeMetricFamily(
                 _PREFIX + "connection_limit",
                 "Open connections allowed per site (scope=site) and per client address.",
@@ -239,13 +246,14 @@ class SiteCollector(Collector):
                 labels=site,
             ),
         )
-        opened, refused, evicted, timeouts, limits, header = families
+        opened, refused, evicted, timeouts, wrong_host, limits, header = families
         for kind, tally in sorted(TALLIES.items()):
             opened.add_metric([kind], tally.open)
             refused.add_metric([kind, "site_limit"], tally.refused_site)
             refused.add_metric([kind, "client_limit"], tally.refused_client)
             evicted.add_metric([kind], tally.evicted)
             timeouts.add_metric([kind], tally.header_timeouts)
+            wrong_host.add_metric([kind], tally.wrong_host)
             limits.add_metric([kind, "site"], tally.max_connections)
             limits.add_metric([kind, "client"], tally.max_per_client)
             header.add_metric([kind], tally.header_timeout)

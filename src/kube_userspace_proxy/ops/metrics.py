@@ -33,7 +33,6 @@ from prometheus_client.registry import Collector
 from kube_userspace_proxy.cluster import objects
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.model import Protocol, ServicePortName
-from kube_userspace_proxy.ops.httpguard import SiteCollector
 
 PREFIX = "kube_userspace_proxy_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -388,7 +387,6 @@ class ProxyMetrics:
         self._layout = _Layout(())
         # Everything but the per-port families: small, formatted by prometheus-client.
         self._base = base = CollectorRegistry(auto_describe=True)
-        base.register(SiteCollector())
         if process_metrics:
             ProcessCollector(registry=base)
             PlatformCollector(registry=base)
@@ -495,6 +493,7 @@ class ProxyMetrics:
         self._source: SourceCounters | None = None
         base.register(_SourceCollector(self))
         self._workers: WorkerCounters | None = None
+        self._sites: Collector | None = None
         base.register(_WorkerCollector(self))
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(base)
@@ -539,6 +538,12 @@ class ProxyMetrics:
     def follow_source(self, source: SourceCounters) -> None:
         """Export the API source's own counters (read at scrape time)."""
         self._source = source
+
+    def follow_sites(self, sites: Collector) -> None:
+        """Export the ops sites' bounds and counters (read at scrape time); once."""
+        if self._sites is None:
+            self._sites = sites
+            self._base.register(sites)
 
     def follow_workers(self, pool: WorkerCounters) -> None:
         """Export the worker pool's process counts (read at scrape time)."""
