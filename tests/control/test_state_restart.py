@@ -134,7 +134,7 @@ async def test_a_restart_during_an_api_outage_serves_from_the_state_file(
         print(f"restart: imports {imports:.3f}s, then answered after {served}")
         assert max(served.values()) < 1.0, (imports, served)
         # The same proxy ports as before the restart.
-        await eventually(lambda: proxy.ports == first, timeout=2, what="the same ports")
+        await eventually(lambda: proxy.ports == first, timeout=30, what="the same ports")
 
         # The API server returns with a change made meanwhile: the proxy catches up.
         [(name, port, _)] = extra = await start_named_backends(["pod-web-2"])

@@ -9,7 +9,7 @@ import time
 from kube_userspace_proxy.app.runner import BoundedFrequencyRunner
 
 
-async def _until(predicate, seconds: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+async def _until(predicate, seconds: float = 30.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + seconds
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
