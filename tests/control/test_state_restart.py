@@ -132,7 +132,9 @@ async def test_a_restart_during_an_api_outage_serves_from_the_state_file(
         imports = proxy.running_at - began
         served = {name: round(t - imports, 3) for name, t in answered.items()}
         print(f"restart: imports {imports:.3f}s, then answered after {served}")
-        assert max(served.values()) < 1.0, (imports, served)
+        # Within 1 s on an idle machine; on a busy one, within twice what its imports took
+        # (they measure the CPU this process gets now: 0.5 s idle, 1.4 s beside two hogs).
+        assert max(served.values()) < max(1.0, 2 * imports), (imports, served)
         # The same proxy ports as before the restart.
         await eventually(lambda: proxy.ports == first, timeout=30, what="the same ports")
 

@@ -153,6 +153,10 @@ def test_records_queue_and_a_full_queue_drops_instead_of_blocking() -> None:
         assert logs.dropped() > 0
     finally:
         os.close(read_end)  # the writer thread gets EPIPE and drains the queue
-        logs.setup(0)
+        # Let it drain before the stream closes: records written after that would each
+        # print "--- Logging error --- ValueError: I/O operation on closed file", after
+        # this test (a slow drain on a busy machine outlasts stop()'s 2 s).
+        assert logs.flush(timeout=120)
+        logs.stop()
         with contextlib.suppress(BrokenPipeError):
             stream.close()

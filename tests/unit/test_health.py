@@ -185,8 +185,11 @@ def test_watch_lag_samples_an_idle_loop_rarely_and_a_busy_one_often() -> None:
         task = asyncio.create_task(watch_lag(seen.append, interval=0.01, idle_interval=0.2))
         await asyncio.sleep(0.5)
         idle = len(seen)
-        ends = time.monotonic() + 0.5
-        while time.monotonic() < ends:  # busy: short bursts of CPU, turns in between
+        # Busy: short bursts of CPU, turns in between, until the thread has had 0.5 s of CPU
+        # (0.5 s on an idle machine; longer on a busy one, whose CPU this thread shares).
+        ends = time.thread_time() + 0.5
+        give_up = time.monotonic() + 60
+        while time.thread_time() < ends and time.monotonic() < give_up:
             burst = time.thread_time() + 0.004
             while time.thread_time() < burst:
                 pass

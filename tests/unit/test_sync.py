@@ -80,9 +80,11 @@ async def test_with_a_burst_of_one_every_sync_waits_min_interval() -> None:
         for _ in range(100):
             runner.request()
             await asyncio.sleep(0.002)
+        requested = time.monotonic() - runs[0]  # ~0.2 s; longer on a busy machine
         await _until(lambda: len(runs) >= 2)
         await asyncio.sleep(0.5)
-        assert 2 <= len(runs) <= 3
+        # One run per min_interval while requests came (3 when they took ~0.2 s), no more.
+        assert 2 <= len(runs) <= 2 + int(requested / 0.2)
         gaps = [b - a for a, b in itertools.pairwise(runs)]
         assert all(gap >= 0.19 for gap in gaps)
     finally:
