@@ -222,7 +222,9 @@ async def start_source(kubeconfig: str) -> AsyncIterator[StartSource]:
         watching = Watching(state, source, task, changes)
         running.append(watching)
         if wait_listed:
-            await eventually(lambda: state.listed, what="both lists")
+            # Generous: a list of thousands of objects (under tracemalloc, on a busy machine)
+            # takes a while; this waits for progress, it bounds nothing.
+            await eventually(lambda: state.listed, timeout=120, what="both lists")
         return watching
 
     yield start
