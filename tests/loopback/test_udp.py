@@ -37,7 +37,7 @@ class Client(asyncio.DatagramProtocol):
         assert self.transport is not None
         self.transport.sendto(data, (host, port))
 
-    async def receive(self, timeout: float = 5.0) -> tuple[bytes, tuple[str, int]]:
+    async def receive(self, timeout: float = 30.0) -> tuple[bytes, tuple[str, int]]:
         return await asyncio.wait_for(self.inbox.get(), timeout)
 
     def close(self) -> None:
