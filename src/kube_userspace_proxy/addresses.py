@@ -95,6 +95,23 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+NODEPORT_PRIMARY = "primary"
+"""kube-proxy's nodePortAddresses keyword for the Node's primary IPs (one per family)."""
+
+
+def primary_cidrs(node_ips: Iterable[str]) -> tuple[str, ...]:
+    """What `nodePortAddresses: [primary]` means for `node_ips`: the first IP of each family,
+    as a host CIDR (kube-proxy 1.29+ expands the keyword from the node's IPs the same way)."""
+    cidrs: list[str] = []
+    families: set[Family] = set()
+    for ip in node_ips:
+        family = ip_family(ip)
+        if family is not None and family not in families:
+            families.add(family)
+            cidrs.append(f"{ip}/{32 if family == 4 else 128}")
+    return tuple(cidrs)
+
+
 def node_ips(node: Mapping[str, Any] | None) -> tuple[str, ...]:
     """The node's primary IP, then the first IP of the other family (dual stack), if any.
 

@@ -211,9 +211,14 @@ class Proxy:
             log.debug("%d objects kept out of garbage collection", gc.get_freeze_count())
 
     def _node_port_addresses(self) -> Sequence[str]:
-        if not self.config.nodeport_addresses:
+        cidrs = self.config.nodeport_addresses
+        if cidrs == (addresses.NODEPORT_PRIMARY,):
+            cidrs = addresses.primary_cidrs(self.node_ips)  # as of the sync in progress
+            if not cidrs:
+                return ()
+        elif not cidrs:
             return (self.config.bind_address,)
-        return local_addresses_in(self.config.nodeport_addresses, addresses.local_addresses())
+        return local_addresses_in(cidrs, addresses.local_addresses())
 
     def _changed(self) -> None:
         self.health.queued_update()
@@ -426,6 +431,7 @@ class Proxy:
                 and saved.services == snapshot.services
                 and saved.endpoints == snapshot.endpoints
                 and saved.node_ips == snapshot.node_ips
+                and saved.node_zone == snapshot.node_zone
             ):
                 continue
             self._saved = snapshot

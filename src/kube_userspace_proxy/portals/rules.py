@@ -53,7 +53,13 @@ from dataclasses import dataclass, field
 from typing import TypeVar, dataclass_transform
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.addresses import Family, ip_family, join_host_port
+from kube_userspace_proxy.addresses import (
+    NODEPORT_PRIMARY,
+    Family,
+    ip_family,
+    join_host_port,
+    primary_cidrs,
+)
 from kube_userspace_proxy.model import ClaimKey, Path, ProxiedPort, ServicePortName
 
 CONTAINER_PORTALS = "KUBE-PORTALS-CONTAINER"
@@ -355,10 +361,15 @@ class Settings:
 
     def nodeport_dsts(self, family: Family) -> list[str]:
         """`-d` values for NodePort rules: [""] (any local address) or the matching CIDRs."""
-        if not self.nodeport_addresses:
+        if self.nodeport_addresses == (NODEPORT_PRIMARY,):
+            # Follows the node IPs; none known in this family: no NodePort rules for it.
+            cidrs = primary_cidrs(self.node_ips)
+        elif not self.nodeport_addresses:
             return [""]
+        else:
+            cidrs = self.nodeport_addresses
         dsts: list[str] = []
-        for text in self.nodeport_addresses:
+        for text in cidrs:
             net = ipaddress.ip_network(text, strict=False)
             if net.version == family:
                 dsts.append("" if net.prefixlen == 0 else str(net))
