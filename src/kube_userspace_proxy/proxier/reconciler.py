@@ -18,7 +18,13 @@ from typing import Any
 from typing import Protocol as TypingProtocol
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.balancer import PINS_SHOWN, BalancerView, EndpointPool, usable_endpoints
+from kube_userspace_proxy.balancer import (
+    PINS_SHOWN,
+    BalancerView,
+    EndpointPool,
+    topology_mode,
+    usable_endpoints,
+)
 from kube_userspace_proxy.dataplane import ConnStats, Picker, TcpListener, UdpListener
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
@@ -188,6 +194,8 @@ class _Served:
     node_port_listeners: list[tuple[str, Listener]] = field(default_factory=list)
     node_port: int = 0
     all_endpoints: int = 0
+    topology: str = ""
+    """Which endpoints its Cluster-policy path uses (a Topology mode); "Local": no such path."""
     endpoints: tuple[Endpoint, ...] | None = None
     """The snapshot's endpoint tuple last applied (the state keeps it while it is unchanged)."""
     target: ProxiedPort | None = None
@@ -225,6 +233,8 @@ class Proxier:
         self._rules_gen = 0
         self._applied_gen = -1
         self._node_ips: tuple[str, ...] = ()
+        self._node_zone = ""
+        self._node_port_now: tuple[str, ...] | None = None  # set while the node's IPs moved
         self._applied_node_ips: tuple[str, ...] | None = None
         self._reconcile_lock = asyncio.Lock()
         self._commit_lock = asyncio.Lock()
@@ -407,9 +417,13 @@ class Proxier:
         return int(claimed.getsockname()[1])
 
     async def _reconcile(self, snapshot: Snapshot, *, full: bool) -> None:
-        same_node = snapshot.node_name == self.node_name
+        # A new zone or node IPs choose endpoints (hints) and NodePort addresses again.
+        node_moved = (snapshot.node_zone, snapshot.node_ips) != (self._node_zone, self._node_ips)
+        same_node = snapshot.node_name == self.node_name and not node_moved
         self.node_name = snapshot.node_name
         self._node_ips = snapshot.node_ips
+        self._node_zone = snapshot.node_zone
+        self._node_port_now = tuple(self._node_port_addresses()) if node_moved else None
         self._budget.start()
         if self._claims is None:
             await self._claim_previous_ports()
@@ -605,6 +619,8 @@ class Proxier:
         if new:
             self._served[name] = served
         self._point_node_ports(served)
+        if served.node_port and self._node_port_now is not None:
+            await self._follow_node_port_addresses(served, self._node_port_now)
         if served.node_port != info.node_port:
             self._close_node_ports(served)
             if info.node_port:
@@ -689,13 +705,20 @@ class Proxier:
         served.endpoints = endpoints
         served.all_endpoints = len(endpoints)
         timeout = float(info.affinity_timeout_seconds) if info.client_ip_affinity else None
+        node_name, zone = snapshot.node_name, snapshot.node_zone
+        mode = topology_mode(endpoints, node_name, zone)
+        served.topology = "Local"
         for path, pool in served.pools.items():
             local = (
                 info.external_traffic_local
                 if path is Path.EXTERNAL
                 else info.internal_traffic_local
             )
-            usable = usable_endpoints(endpoints, local_only=local, node_name=snapshot.node_name)
+            if not local:
+                served.topology = mode
+            usable = usable_endpoints(
+                endpoints, local_only=local, node_name=node_name, topology=mode, zone=zone
+            )
             pool.update(usable, affinity_timeout=timeout)
             pool.proxy_protocol = info.proxy_protocol
         for listener in served.every_listener():
@@ -747,6 +770,17 @@ class Proxier:
                 f"can't hold NodePort {info.protocol}/{info.node_port} ({'; '.join(failures)});"
                 " traffic captured by the NodePort rules is still served"
             )
+
+    async def _follow_node_port_addresses(self, served: _Served, addresses: Sequence[str]) -> None:
+        """Bind the NodePort sockets again when the addresses they belong on moved."""
+        if [address for address, _ in served.node_port_listeners] == list(addresses):
+            return
+        listeners = [listener for _, listener in served.node_port_listeners]
+        served.node_port_listeners.clear()
+        served.node_port = 0
+        for listener in listeners:  # closed before binding: an address may stay in the list
+            await listener.close()
+        await self._open_node_ports(served)
 
     def _point_node_ports(self, served: _Served) -> None:
         """NodePort sockets serve external traffic: give them that path's pool."""
@@ -911,6 +945,7 @@ class Proxier:
                     for path, pool in served.pools.items()
                 },
                 "knownEndpoints": served.all_endpoints,
+                "topology": served.topology or "none",
                 "balancer": {
                     str(path): _balancer_json(self._dataplane.balancer_view(pool))
                     for path, pool in served.pools.items()
