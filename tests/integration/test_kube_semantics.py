@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.integration.browser import Browser, chromium
 from tests.integration.conftest import BACKENDS, PROXY, SAVE, topology_in
 from tests.integration.kubeapi import ApiInNamespace, api_in
 from tests.integration.netns import NODE_IP, POD_PORT, PODS, Topology, stop, wait_for
@@ -68,6 +70,9 @@ class Cluster:
 
     def topology_of(self, name: str) -> str:
         return str(self.debug_state()[f"default/{name}:p"]["topology"])
+
+
+StartCluster = Callable[..., Cluster]
 
 
 def node(zone: str, ips: tuple[str, ...] = (NODE_IP,)) -> dict[str, Any]:
@@ -129,14 +134,10 @@ def hinted(nodes: dict[str, str], zones_: dict[str, str]) -> dict[str, dict[str,
     }
 
 
-@pytest.fixture(
-    params=[(b, w) for b in BACKENDS for w in ("1", "default")],
-    ids=lambda p: f"{p[0]}-workers-{p[1]}",
-)
-def cluster_factory(
-    request: pytest.FixtureRequest, netns_ok: None, tmp_path: Path
-) -> Iterator[Any]:
-    backend, workers = request.param
+@contextmanager
+def running_cluster(tmp_path: Path, backend: str, workers: str) -> Iterator[StartCluster]:
+    """`start(objects, *flags)`: the objects in the fake, then the proxy following it; all of it
+    (namespaces, the fake, the proxy) is gone on exit."""
     with topology_in(tmp_path) as topo, api_in(topo.node) as api:
         procs = []
 
@@ -174,8 +175,19 @@ def cluster_factory(
                 stop(proc, signal.SIGKILL)
 
 
+@pytest.fixture(
+    params=[(b, w) for b in BACKENDS for w in ("1", "default")],
+    ids=lambda p: f"{p[0]}-workers-{p[1]}",
+)
+def cluster_factory(
+    request: pytest.FixtureRequest, netns_ok: None, tmp_path: Path
+) -> Iterator[StartCluster]:
+    with running_cluster(tmp_path, *request.param) as start:
+        yield start
+
+
 def test_endpoints_follow_node_then_zone_hints_with_both_fallbacks_and_a_relabelled_node(
-    cluster_factory: Any,
+    cluster_factory: StartCluster,
 ) -> None:
     everyone = set(PODS)
     c: Cluster = cluster_factory(
@@ -211,7 +223,7 @@ def test_endpoints_follow_node_then_zone_hints_with_both_fallbacks_and_a_relabel
 
 
 def test_a_load_balancer_ip_with_ip_mode_proxy_is_left_to_the_load_balancer_at_runtime(
-    cluster_factory: Any,
+    cluster_factory: StartCluster,
 ) -> None:
     def lb(mode: str | None) -> dict[str, Any]:
         ingress: dict[str, Any] = {"ip": LB_IP}
@@ -236,7 +248,7 @@ def test_a_load_balancer_ip_with_ip_mode_proxy_is_left_to_the_load_balancer_at_r
 
 
 def test_node_ports_on_primary_serve_the_node_ip_only_and_follow_the_node(
-    cluster_factory: Any,
+    cluster_factory: StartCluster,
 ) -> None:
     svc = service(
         "np",
@@ -254,3 +266,26 @@ def test_node_ports_on_primary_serve_the_node_ip_only_and_follow_the_node(
     c.answers_settle_on(VETH_IP, NODE_PORT, set(PODS))
     assert f"-d {NODE_IP}/32" not in c.nat()
     assert all(answer not in PODS for answer in c.asks(NODE_IP, NODE_PORT, 1))
+
+
+def test_the_debug_ui_shows_the_topology_mode_as_it_changes(netns_ok: None, tmp_path: Path) -> None:
+    if chromium() is None:
+        pytest.skip("needs chromium (Debian's chromium; scripts/dev installs it as root)")
+    with running_cluster(tmp_path, "restore", "1") as start:
+        slice_ = endpoint_slice("web", zones(pod_a="zone-a", pod_b="zone-b", pod_c="zone-b"))
+        c: Cluster = start([node("zone-a"), service("web"), slice_])
+        c.answers_settle_on(CLUSTER_IP, 80, {"pod-a"})
+        browser = Browser(
+            f"http://{METRICS}/debug/ui",
+            tmp_path / "profile",
+            prefix=("ip", "netns", "exec", c.topo.node.name),
+        )
+        shown = "document.querySelector('[data-service=\"default/web:p\"] .topology')?.textContent"
+        try:
+            wait_for(
+                lambda: browser.eval(shown) == "topology PreferSameZone", "zone mode shown", 60
+            )
+            c.api.apply(node("zone-c"))  # no hint names this zone now: every endpoint
+            wait_for(lambda: browser.eval(shown) == "topology none", "no mode shown", 60)
+        finally:
+            browser.close()
