@@ -132,7 +132,8 @@ class ProxyConfig(BaseModel):
     kube_api_burst: int = 10
     """Burst of requests allowed above kube_api_qps."""
     nodeport_addresses: tuple[str, ...] = ()
-    """CIDRs whose local addresses answer NodePorts; empty: every local address."""
+    """CIDRs whose local addresses answer NodePorts, or `primary` (the Node's IP of each
+    family, followed); empty: every local address."""
     cluster_cidr: str = ""
     """The cluster's Pod CIDR (informational; shown in /configz)."""
     service_proxy_name: str = ""
