@@ -547,6 +547,6 @@ def test_a_node_proxy_without_rules_is_refused_by_the_schema() -> None:
 
 
 def test_no_memory_limit_and_a_request_from_measured_rss() -> None:
-    # An OOM kill cuts every proxied connection on the node (README "Failure modes").
+    # An OOM kill cuts every proxied connection on the node (docs/failure-modes.md).
     assert "limits" not in VALUES["resources"]
     assert VALUES["resources"]["requests"]["memory"] == "192Mi"
