@@ -10,8 +10,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from kube_userspace_proxy import __version__, demo, logs
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import __version__, app, demo, logs
 from kube_userspace_proxy.config.kubeproxy import (
     DEFAULT_HEALTHZ_PORT,
     DEFAULT_METRICS_PORT,
