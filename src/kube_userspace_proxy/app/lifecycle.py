@@ -60,6 +60,8 @@ async def serve(
 
 
 async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> int:
+    """Take over from a running proxy (or find the saved state), then startup -> main loop ->
+    shutdown; signals set `stop` meanwhile."""
     config = proxy.config
     taken = None
     if config.state_dir:
