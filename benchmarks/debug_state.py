@@ -43,7 +43,7 @@ import uvloop
 import yaml
 from aiohttp import web
 
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import app
 from kube_userspace_proxy.balancer import DEFAULT_MAX_AFFINITY_ENTRIES
 from kube_userspace_proxy.config.settings import ProxyConfig
 from kube_userspace_proxy.model import Path as TrafficPath

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kube_userspace_proxy.app.proxy import raise_nofile_limit  # noqa: E402
+from kube_userspace_proxy.app.lifecycle import raise_nofile_limit  # noqa: E402
 from kube_userspace_proxy.balancer import EndpointPool  # noqa: E402
 from kube_userspace_proxy.dataplane import ConnStats  # noqa: E402
 from kube_userspace_proxy.model import Endpoint, Protocol, ServicePortName  # noqa: E402

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import app
 from kube_userspace_proxy.balancer import PINS_SHOWN
 from kube_userspace_proxy.dataplane.steering import worker_of
 from kube_userspace_proxy.model import Protocol, ServicePortName
