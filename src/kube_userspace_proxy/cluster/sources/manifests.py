@@ -114,7 +114,7 @@ def _signature(path: Path) -> Signature | None:
 
 
 class ManifestSource:
-    """Feeds a StateSink (the ClusterState) from manifest files or directories (`*.yaml`, `*.yml`, `*.json`).
+    """Feeds a StateSink from manifest files or directories (`*.yaml`, `*.yml`, `*.json`).
 
     `run()` polls the files every `poll_interval` seconds (a stat per file) and replaces both
     kinds in the state when any file changed.
