@@ -230,7 +230,9 @@ async def _check_client_configuration(config: ProxyConfig) -> None:
     """Raise ConfigError (exit 2) when the API server's client configuration is unusable."""
     if config.manifests:
         return
-    from kube_userspace_proxy.cluster.sources.kube import load_client_configuration  # noqa: PLC0415
+    from kube_userspace_proxy.cluster.sources.client import (  # noqa: PLC0415
+        load_client_configuration,
+    )
 
     await load_client_configuration(config.kubeconfig or None, config.master or None)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.cluster.objects import (
@@ -25,12 +25,10 @@ from kube_userspace_proxy.cluster.objects import (
     parse_slice,
     trigger_time,
 )
+from kube_userspace_proxy.cluster.sink import Event, Kind, StateSink
 from kube_userspace_proxy.model import Endpoint, ServicePortInfo, ServicePortName, Snapshot
 
 log = logs.get(__name__)
-
-Kind = Literal["Service", "EndpointSlice"]
-Event = Literal["ADDED", "MODIFIED", "DELETED"]
 
 
 # -- the state ------------------------------------------------------------------------------
@@ -418,3 +416,6 @@ def _name_of(node: Mapping[str, Any] | None) -> str:
     if isinstance(node, Mapping) and isinstance(node.get("metadata"), Mapping):
         return str(node["metadata"].get("name") or "?")
     return "?"
+
+
+_sink: StateSink = ClusterState()  # conformance: ClusterState is a StateSink
