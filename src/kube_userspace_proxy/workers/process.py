@@ -192,7 +192,7 @@ class Worker:
     async def apply(self, table: Table) -> None:
         """Make the listeners and pools match the whole table; report group joins and leaves."""
         changed = self._take(table.settings, table.pools, table.routes)
-        wanted = {entry.key for entry in table.listeners}
+        wanted = {key for key, _, _, _ in table.listeners}
         self._unserved &= wanted
         await self._drop([k for k in self._served if k not in wanted])
         await self._upsert(table.listeners, changed)
@@ -220,19 +220,17 @@ class Worker:
         self.tcp_keepalive = float(settings.tcp_keepalive)
         self._routes.update(routes)
         changed: set[int] = set()
-        for pool_id, entry in pools.items():
+        for pool_id, (pool_name, addresses, timeout, proxy_protocol) in pools.items():
             pool = self._pools.get(pool_id)
             if pool is None:
-                namespace, name, port, kind = entry.name
+                namespace, name, port, kind = pool_name
                 spn = ServicePortName(namespace, name, port, Protocol(kind))
                 pool = self._pools[pool_id] = _Pool(pool_id, spn, self)
-            pool.proxy_protocol = entry.proxy_protocol
-            wanted = (entry.addresses, entry.affinity_timeout)
-            if pool.last != wanted:
-                pool.last = wanted
+            pool.proxy_protocol = proxy_protocol
+            if pool.last != (addresses, timeout):
+                pool.last = (addresses, timeout)
                 pool.update(
-                    [Endpoint(ip, port) for ip, port in entry.addresses],
-                    affinity_timeout=entry.affinity_timeout,
+                    [Endpoint(ip, port) for ip, port in addresses], affinity_timeout=timeout
                 )
                 changed.add(pool_id)
         return changed

@@ -150,16 +150,17 @@ class Publisher:
                 return
             # A port sent again to a worker that could not open it will join its group.
             regrouped = bool(removed) or retried
-            for entry in listeners:
-                joins = _joins(entry, pools)
-                if self._joined.get(entry.key) != joins:
-                    self._joined[entry.key] = joins
+            for key, _, pool_id, _ in listeners:
+                joins = _joins(key, pools[pool_id])
+                if self._joined.get(key) != joins:
+                    self._joined[key] = joins
                     regrouped = True
             for key in removed:
                 self._joined.pop(key, None)
                 sent = self._sent_ports.pop(key, None)
                 if sent is not None:
-                    self._sent_pools.pop(sent.pool_id, None)
+                    _, _, pool_id, _ = sent
+                    self._sent_pools.pop(pool_id, None)
             self._published = True
             self.deltas += 1
             self.ports_sent += len(listeners)
@@ -198,7 +199,7 @@ class Publisher:
             for i, part in enumerate(parts):
                 if k:
                     await applied[k - 1][i].wait()
-                part_pools = {entry.pool_id: pools[entry.pool_id] for entry in part}
+                part_pools = {pool_id: pools[pool_id] for _, _, pool_id, _ in part}
                 changed.update(
                     await self._send(worker, part, part_pools, removed=removed if i == 0 else [])
                 )
@@ -227,11 +228,11 @@ class Publisher:
         """Send `worker` a table (`removed` None) or a delta of its own, with the routes for
         the groups its sockets will join; returns the groups whose members changed."""
         routes = {}
-        for entry in listeners:
-            if _joins(entry, pools):
-                route = self._groups.route_for_joining(entry.key, worker.index)
+        for key, _, pool_id, _ in listeners:
+            if _joins(key, pools[pool_id]):
+                route = self._groups.route_for_joining(key, worker.index)
                 if route is not None:
-                    routes[entry.key] = route
+                    routes[key] = route
         seq = self._replies.next_seq()
         message: Table | Delta
         if removed is None:
@@ -283,8 +284,8 @@ class Publisher:
         return pool_id
 
     def _entries(self, ports: Iterable[Port]) -> tuple[list[ListenerEntry], dict[int, PoolEntry]]:
-        """The table entries of `ports` and of their pools."""
-        listeners = []
+        """The table entries of `ports` and of their pools (plain tuples: see `protocol`)."""
+        listeners: list[ListenerEntry] = []
         pools: dict[int, PoolEntry] = {}
         for port in ports:
             picker = port.picker
@@ -292,13 +293,13 @@ class Publisher:
             if pool_id not in pools:
                 assert isinstance(picker, EndpointPool)
                 name = picker.name
-                pools[pool_id] = PoolEntry(
+                pools[pool_id] = (
                     (name.namespace, name.name, name.port, str(name.protocol)),
                     picker.addresses,
                     picker.affinity_timeout,
                     picker.proxy_protocol,
                 )
-            listeners.append(ListenerEntry(port.key, port.name, pool_id, port.v6only))
+            listeners.append((port.key, port.name, pool_id, port.v6only))
         return listeners, pools
 
     def _unsent(
@@ -306,16 +307,15 @@ class Publisher:
     ) -> tuple[list[ListenerEntry], dict[int, PoolEntry]]:
         """Leave out what the workers have already (a periodic resync refreshes every port)."""
         fresh = {pid for pid, entry in pools.items() if self._sent_pools.get(pid) != entry}
-        listeners = [
-            entry
-            for entry in listeners
-            if entry.pool_id in fresh or self._sent_ports.get(entry.key) != entry
-        ]
-        pools = {entry.pool_id: pools[entry.pool_id] for entry in listeners}
-        self._sent_pools.update(pools)
+        unsent = []
         for entry in listeners:
-            self._sent_ports[entry.key] = entry
-        return listeners, pools
+            key, _, pool_id, _ = entry
+            if pool_id in fresh or self._sent_ports.get(key) != entry:
+                unsent.append(entry)
+                self._sent_ports[key] = entry  # keys are unique: the test above is unchanged
+        pools = {pool_id: pools[pool_id] for _, _, pool_id, _ in unsent}
+        self._sent_pools.update(pools)
+        return unsent, pools
 
     # ---- ports a worker could not open ---------------------------------------------------------
 
@@ -375,7 +375,8 @@ class Publisher:
         return self._retry_task
 
 
-def _joins(entry: ListenerEntry, pools: dict[int, PoolEntry]) -> bool:
-    """Whether the workers' sockets of `entry` are in its reuseport group: UDP always, TCP
-    while the port has endpoints (without, the workers do not listen)."""
-    return entry.key[0] == "UDP" or bool(pools[entry.pool_id].addresses)
+def _joins(key: SocketKey, pool: PoolEntry) -> bool:
+    """Whether the workers' sockets of port `key` are in its reuseport group: UDP always, TCP
+    while its pool has endpoints (without, the workers do not listen)."""
+    _, addresses, _, _ = pool
+    return key[0] == "UDP" or bool(addresses)
