@@ -56,8 +56,7 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
             if everything:  # as before the deltas: every port, every change
                 for other, _ in ports:
                     other.refresh()
-                workers._sent_ports.clear()  # forget what was sent: all of it goes again
-                workers._sent_pools.clear()
+                workers._publisher.forget_sent()  # all of it goes again
             port.refresh()
             cpu, wall = time.process_time(), time.perf_counter()
             await workers.publish()

@@ -112,7 +112,8 @@ class WorkerCounters(typing.Protocol):
     @property
     def alive(self) -> int: ...
 
-    restarts: int
+    @property
+    def restarts(self) -> int: ...
 
     @property
     def unserved(self) -> int: ...
