@@ -256,8 +256,12 @@ def test_config_file_maps_every_chart_field() -> None:
 # -- with helm -----------------------------------------------------------------------------
 
 
-def helm_backend() -> tuple[Callable[[dict[str, Any]], list[str]], Callable[[], str]] | None:
-    """(template(values) -> rendered docs, lint() -> problems) from helm or helm_python."""
+Render = Callable[[dict[str, Any]], list[str]]
+
+
+def helm_backend() -> tuple[Render, Callable[[], str], Callable[[dict[str, Any]], str]] | None:
+    """(template(values) -> rendered docs, lint() -> problems, notes(values) -> NOTES.txt as
+    rendered) from helm or helm_python."""
     if shutil.which("helm"):
 
         def template_cli(values: dict[str, Any]) -> list[str]:
@@ -281,7 +285,21 @@ def helm_backend() -> tuple[Callable[[dict[str, Any]], list[str]], Callable[[], 
             )
             return "" if proc.returncode == 0 else proc.stdout + proc.stderr
 
-        return template_cli, lint_cli
+        def notes_cli(values: dict[str, Any]) -> str:
+            # `helm template` leaves NOTES.txt out; a client-side dry run prints it last.
+            install = ["helm", "install", "kup", str(CHART), "-n", "kube-system"]
+            proc = subprocess.run(
+                [*install, "--dry-run=client", "-f", "-"],
+                input=json.dumps(values),
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode:
+                raise RuntimeError(proc.stderr)
+            return proc.stdout.split("\nNOTES:\n", 1)[1]
+
+        return template_cli, lint_cli, notes_cli
     try:
         import helm_python
     except ImportError:
@@ -306,7 +324,13 @@ def helm_backend() -> tuple[Callable[[dict[str, Any]], list[str]], Callable[[], 
         problems = [m["error"] for m in report["messages"] if m["severity"] >= 2]
         return "\n".join(problems + report["errors"])
 
-    return template_sdk, lint_sdk
+    def notes_sdk(values: dict[str, Any]) -> str:
+        with helm_python.Chart.load(str(CHART)) as chart:
+            rendered = chart.render(values, name="kup", namespace="kube-system")
+        (notes,) = [text for name, text in rendered.items() if name.endswith("/NOTES.txt")]
+        return notes
+
+    return template_sdk, lint_sdk, notes_sdk
 
 
 HELM = helm_backend()
@@ -503,6 +527,43 @@ def test_helm_renders_extra_volumes_and_kubeadms_kubeconfig() -> None:
     assert {"name": "certs", "mountPath": "/etc/pki", "readOnly": True} in container["volumeMounts"]
     assert "--kubeconfig=/var/lib/kube-proxy/kubeconfig.conf" in container["args"]
     assert "--metrics-per-service-port=false" in container["args"]
+
+
+def notes(values: dict[str, Any]) -> str:
+    assert HELM is not None
+    return " ".join(HELM[2](values).split())  # one line: the template wraps its sentences
+
+
+@needs_helm
+def test_notes_with_kubeadms_kubeconfig_name_its_server_not_the_cluster_ip() -> None:
+    # The migration guide's path: the proxy reads kubeadm's kubeconfig, which names the
+    # control plane; neither the ClusterIP nor apiServer.host is involved.
+    text = notes({"kubeconfig": {"configMap": "kube-proxy"}})
+    assert "ConfigMap kube-system/kube-proxy (key kubeconfig.conf), passed as --kubeconfig" in text
+    assert "get configmap kube-proxy -o jsonpath='{.data.kubeconfig\\.conf}'" in text
+    assert "apiServer.host is empty" not in text and "set apiServer.host" not in text
+    assert "directly at" not in text
+
+
+@needs_helm
+def test_notes_with_an_api_server_host_name_that_address() -> None:
+    text = notes({"apiServer": {"host": "kind-control-plane", "port": 6443}})
+    assert "directly at https://kind-control-plane:6443" in text
+    assert "--kubeconfig" not in text
+
+
+@needs_helm
+def test_notes_say_which_way_wins_when_several_are_given() -> None:
+    text = notes(
+        {
+            "apiServer": {"host": "10.0.0.5"},
+            "kubeconfig": {"configMap": "kube-proxy"},
+            "extraArgs": ["--master=https://10.0.0.9:6443"],
+        }
+    )
+    assert "passed as --kubeconfig" in text and "directly at" not in text
+    assert "apiServer.host (10.0.0.5) is not used: the kubeconfig takes precedence" in text
+    assert "extraArgs' --master=https://10.0.0.9:6443 overrides that server" in text
 
 
 def test_security_context_defaults_runtime_seccomp_and_no_net_raw() -> None:
