@@ -78,11 +78,12 @@ from testbed import (
     GiB,
     IdleConnections,
     Testbed,
+    command,
     cpu_model,
     cpu_shares,
     install_missing,
+    long_lived,
     memory_kib,
-    process_tree,
     source_commit,
     version,
 )
@@ -132,7 +133,6 @@ stream {{
 """
 
 # Short-lived children of a peer, left out of its sums.
-HELPERS = ("iptables", "ip6tables", "xtables")
 PEERS = ("kernel", "proxy-1", "proxy-auto", "haproxy", "nginx")
 BASELINE_PEERS = ("base-1", "base-auto")  # with --baseline SRC: this proxy from another tree
 # A proxied connection holds two descriptors: 9,400 of them fit under RLIMIT_NOFILE 20,000.
@@ -166,7 +166,7 @@ class Peer:
         then, which would leave the CPU and memory sums as they end."""
         if self.proc is None:
             return []
-        return [pid for pid in process_tree(self.proc.pid) if not command(pid).startswith(HELPERS)]
+        return long_lived(self.proc.pid)
 
     def redirect(self) -> tuple[int, int] | None:
         """The (HTTP, bulk) ports to REDIRECT the ClusterIPs to, for a peer without rules."""
@@ -488,14 +488,6 @@ class Run:
             "rss_before_kib": before,
             "kib_per_connection": (rss - before) / max(1, opened),
         }
-
-
-def command(pid: int) -> str:
-    """A process's name (/proc/PID/comm), or "" once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 def memory(pids: list[int]) -> tuple[int, int]:
