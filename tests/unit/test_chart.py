@@ -10,6 +10,7 @@ with default, kind and monitoring values.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import shutil
@@ -476,6 +477,52 @@ def test_image_entrypoint_is_the_installed_command_the_chart_runs() -> None:
     assert 'command: ["kube-userspace-proxy"]' in (TEMPLATES / "daemonset.yaml").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", dockerfile, re.M)
     assert "apt-get install -y --no-install-recommends iptables" in dockerfile
+
+
+def in_build_context(path: str) -> bool:
+    """Whether .dockerignore lets `path` into the image's build context (Docker's rules:
+    the last matching pattern wins, `!` lets in, a matched directory takes its contents)."""
+    parts = path.split("/")
+    inside = True
+    for raw in (ROOT / ".dockerignore").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        pattern = line.removeprefix("!").rstrip("/")
+        if pattern.startswith("**/"):
+            hit = any(fnmatch.fnmatchcase(part, pattern[3:]) for part in parts)
+        else:  # the path itself or the directory holding it, at the pattern's depth
+            depth = pattern.count("/") + 1
+            hit = len(parts) >= depth and fnmatch.fnmatchcase("/".join(parts[:depth]), pattern)
+        if hit:
+            inside = line.startswith("!")
+    return inside
+
+
+def test_build_context_holds_what_the_dockerfile_copies_and_no_virtualenv() -> None:
+    copied = []
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not words[1].startswith("--from"):
+            copied += words[1:-1]
+    assert {"pyproject.toml", "README.md", "LICENSE", "src"} <= set(copied)
+    for source in copied:
+        assert (ROOT / source).exists(), source
+        assert in_build_context(source), f"{source} is copied but .dockerignore leaves it out"
+    assert in_build_context("src/kube_userspace_proxy/ops/static/debug-ui.html")
+    for left_out in (
+        ".venv/bin/python",
+        ".venv-floors/bin/python",
+        ".git/HEAD",
+        ".site/index.html",
+        ".mypy_cache/3.11/x.json",
+        ".ruff_cache/CACHEDIR.TAG",
+        ".pytest_cache/README.md",
+        "tests/unit/test_chart.py",
+        "benchmarks/results/peers.json",
+        "src/kube_userspace_proxy/__pycache__/cli.cpython-311.pyc",
+    ):
+        assert not in_build_context(left_out), left_out
 
 
 def test_image_healthcheck_asks_the_default_health_address() -> None:
