@@ -336,6 +336,18 @@ class Proxy:
         """Our installed rules with their counters (blocking); None when this proxy has none."""
         return self.portals.counted_rules() if self.portals is not None else None
 
+    def planned_rules(self, names: frozenset[str]) -> list[tuple[str, str]]:
+        """The rules this proxy would install for the named service ports, with why: what
+        /debug/ui shows when it installs none (the demo)."""
+        ports = [port for port in self.proxier.proxied_ports() if str(port.info.name) in names]
+        config = self.config
+        return explain(
+            ports,
+            node_ips=self.node_ips,
+            bind_address=config.bind_address,
+            nodeport_addresses=config.nodeport_addresses,
+        )
+
     def saved_state(self) -> tuple[Snapshot, statefile.Ports] | None:
         """What an earlier run saved in the state directory (None: nothing usable)."""
         if not self.config.state_dir:
@@ -558,6 +570,7 @@ async def _start_ops(proxy: Proxy, taken: handover.Taken | None = None) -> None:
         configz=lambda: {kpc.GROUP: effective_document(config)},
         collect=proxy.collect,
         rules=proxy.counted_rules,
+        planned=proxy.planned_rules,
         adopted=adopted,
     )
     used = {id(sock) for _, sock in proxy.ops.listening}
