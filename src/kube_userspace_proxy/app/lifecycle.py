@@ -218,6 +218,7 @@ async def _start_ops(proxy: Proxy, taken: handover.Taken | None = None) -> None:
         configz=lambda: {kpc.GROUP: effective_document(config)},
         collect=proxy.collect,
         rules=proxy.counted_rules,
+        planned=proxy.planned_rules,
         adopted=adopted,
     )
     used = {id(sock) for _, sock in proxy.ops.listening}

@@ -24,7 +24,7 @@ from kube_userspace_proxy.ops.health import ProxyHealth
 from kube_userspace_proxy.ops.metrics import ProxyMetrics
 from kube_userspace_proxy.ops.server import OpsServer
 from kube_userspace_proxy.ops.servicehealth import ServiceHealthServers
-from kube_userspace_proxy.portals import Portals, make_backend
+from kube_userspace_proxy.portals import Portals, explain, make_backend
 from kube_userspace_proxy.ports import PortAllocator
 from kube_userspace_proxy.proxier.reconciler import (
     DataPlane,
@@ -165,6 +165,18 @@ class Proxy:
         self.synced_once = self.pipeline.synced_once
         self.serving = self.pipeline.serving
         """Set once something is served (restored from a file or a handover, or synced)."""
+
+    def planned_rules(self, names: frozenset[str]) -> list[tuple[str, str]]:
+        """The rules this proxy would install for the named service ports, with why: what
+        /debug/ui shows when it installs none (the demo)."""
+        ports = [port for port in self.proxier.proxied_ports() if str(port.info.name) in names]
+        config = self.config
+        return explain(
+            ports,
+            node_ips=config.node_ips or self.state.node_ips,
+            bind_address=config.bind_address,
+            nodeport_addresses=config.nodeport_addresses,
+        )
 
     def with_node_ips(self, snapshot: Snapshot) -> Snapshot:
         """`snapshot` with the node IPs that apply: `--node-ip`'s when given, else the Node

@@ -937,6 +937,7 @@ class Proxier:
                 "bytes": {"in": stats.bytes_in, "out": stats.bytes_out},
                 "udp": {
                     "sessionsActive": stats.udp_sessions_active,
+                    "sessionsTotal": stats.udp_sessions_total,
                     "datagramsIn": stats.udp_datagrams_in,
                     "datagramsOut": stats.udp_datagrams_out,
                     "dropped": stats.udp_dropped,
