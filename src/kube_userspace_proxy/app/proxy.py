@@ -21,6 +21,7 @@ import uvloop
 
 from kube_userspace_proxy import addresses, collector, logs
 from kube_userspace_proxy.app.runner import BoundedFrequencyRunner
+from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.cluster.sources import Source
 from kube_userspace_proxy.cluster.sources.manifests import ManifestSource
 from kube_userspace_proxy.cluster.state import ClusterState
@@ -34,12 +35,10 @@ from kube_userspace_proxy.ops.server import OpsServer, start_ops
 from kube_userspace_proxy.ops.servicehealth import NoLocalEndpoints, ServiceHealthServers
 from kube_userspace_proxy.portals import Portals, explain, make_backend
 from kube_userspace_proxy.ports import PortAllocator
-from kube_userspace_proxy.proxier.reconciler import (
-    DataPlane,
-    LocalDataPlane,
-    Proxier,
-    local_addresses_in,
-)
+from kube_userspace_proxy.proxier.contracts import DataPlane
+from kube_userspace_proxy.proxier.local import LocalDataPlane
+from kube_userspace_proxy.proxier.nodeports import local_addresses_in
+from kube_userspace_proxy.proxier.reconciler import Proxier
 from kube_userspace_proxy.restart import handover, statefile
 from kube_userspace_proxy.workers.pool import WorkerPool
 
@@ -131,7 +130,7 @@ class Proxy:
         workers = config.worker_count
         self.workers: WorkerPool | None = None
         self.portals: Portals | None = None
-        dataplane: DataPlane
+        dataplane: DataPlane[EndpointPool]
         if workers > 1:
             dataplane = self.workers = WorkerPool(
                 workers,

@@ -24,8 +24,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from kube_userspace_proxy import fdpass, logs
-from kube_userspace_proxy.balancer import PINS_SHOWN, BalancerView, EndpointPool
-from kube_userspace_proxy.dataplane import ConnStats, Picker, steering
+from kube_userspace_proxy.balancer import PINS_SHOWN, BalancerView, PoolView
+from kube_userspace_proxy.dataplane import ConnStats, steering
 from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.model import Address, SocketKey
@@ -54,7 +54,7 @@ class SharedPort:
     """A proxy port (or NodePort) served by the workers; this process holds its reservation."""
 
     def __init__(
-        self, pool: WorkerPool, sock: socket.socket, picker: Picker, stats: ConnStats, name: str
+        self, pool: WorkerPool, sock: socket.socket, picker: PoolView, stats: ConnStats, name: str
     ) -> None:
         if sock.type == socket.SOCK_STREAM:
             # Workers' listeners join this reservation: it must allow that, and nobody else.
@@ -83,7 +83,7 @@ class SharedPort:
         """The next `publish()` carries the pool's endpoints to the workers."""
         self._pool.touch(self)
 
-    def set_picker(self, picker: Picker) -> None:
+    def set_picker(self, picker: PoolView) -> None:
         self.picker = picker
         self._pool.touch(self)
 
@@ -172,7 +172,7 @@ class WorkerPool:
         # of one socket needs none: it gets every connection). Attaching one costs the kernel
         # a compile (~20-80 us): not again for the same route, 10,000 times per start.
         self._programs: dict[SocketKey, tuple[int, ...]] = {}
-        self._pool_ids: weakref.WeakKeyDictionary[Picker, int] = weakref.WeakKeyDictionary()
+        self._pool_ids: weakref.WeakKeyDictionary[PoolView, int] = weakref.WeakKeyDictionary()
         self._next_pool_id = itertools.count(1)
         self._seq = itertools.count(1)
         self._lock = asyncio.Lock()
@@ -216,7 +216,7 @@ class WorkerPool:
     def listener(
         self,
         sock: socket.socket,
-        pool: EndpointPool,
+        pool: PoolView,
         stats: ConnStats,
         name: str,
         *,
@@ -365,7 +365,7 @@ class WorkerPool:
         except Exception:  # the next change or retry sends them again
             log.exception("sending the workers the ports they could not open failed")
 
-    def affinity_summary(self, pool: EndpointPool) -> tuple[int, Pins]:
+    def affinity_summary(self, pool: PoolView) -> tuple[int, Pins]:
         """The pin count and the pins shown, as the workers reported them at the last
         `collect(debug=True)`."""
         count = 0
@@ -375,7 +375,7 @@ class WorkerPool:
             shown += view[1][: PINS_SHOWN - len(shown)]
         return count, shown
 
-    def _reported_views(self, pool: EndpointPool) -> list[tuple[int, tuple[Any, ...]]]:
+    def _reported_views(self, pool: PoolView) -> list[tuple[int, tuple[Any, ...]]]:
         """(worker, (pins, pins shown, tallies, recent picks, penalized)) of `pool`, as each
         worker reported it at the last `collect(debug=True)`, in worker order."""
         pool_id = self._pool_ids.get(pool)
@@ -406,7 +406,7 @@ class WorkerPool:
     def _live(self) -> list[_Worker]:
         return [w for w in self._workers if w is not None and w.ready]
 
-    def balancer_view(self, pool: EndpointPool) -> BalancerView:
+    def balancer_view(self, pool: PoolView) -> BalancerView:
         """What each worker's copy of `pool` reported at the last `collect(debug=True)`.
 
         Endpoint counters are summed over the running workers (a dead worker's are lost);
@@ -629,7 +629,7 @@ class WorkerPool:
 
     # ---- tables and steering -----------------------------------------------------------------
 
-    def _pool_id(self, picker: Picker) -> int:
+    def _pool_id(self, picker: PoolView) -> int:
         pool_id = self._pool_ids.get(picker)
         if pool_id is None:
             pool_id = self._pool_ids[picker] = next(self._next_pool_id)
@@ -659,7 +659,6 @@ class WorkerPool:
             picker = port.picker
             pool_id = self._pool_id(picker)
             if pool_id not in pools:
-                assert isinstance(picker, EndpointPool)
                 name = picker.name
                 pools[pool_id] = (
                     # Plain strings: unpickling 10,000 dataclasses costs a worker 0.1 s.
