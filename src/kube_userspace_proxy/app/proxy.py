@@ -39,7 +39,7 @@ from kube_userspace_proxy.proxier.contracts import DataPlane
 from kube_userspace_proxy.proxier.local import LocalDataPlane
 from kube_userspace_proxy.proxier.nodeports import local_addresses_in
 from kube_userspace_proxy.proxier.reconciler import Proxier
-from kube_userspace_proxy.restart import handover, statefile
+from kube_userspace_proxy.restart import handover, sockets, statefile
 from kube_userspace_proxy.workers.pool import WorkerPool
 
 log = logs.get(__name__)
@@ -371,21 +371,9 @@ class Proxy:
             snapshot, ports = statefile.decode(taken.state, node_name=self.state.node_name)
         except statefile.StateFileError as exc:
             raise ProxyError(f"the handed-over state cannot be used: {exc}") from None
-        claims = {}
-        node_ports = {}
-        health = {}
-        for description, sock in [
-            *taken.claim("port"),
-            *taken.claim("nodeport"),
-            *taken.claim("health"),
-        ]:
-            kind, *rest = description
-            if kind == "port":
-                claims[(str(rest[0]), str(rest[1]), str(rest[2]))] = sock
-            elif kind == "nodeport":
-                node_ports[(str(rest[0]), str(rest[1]), int(rest[2]))] = sock
-            elif kind == "health":
-                health[(str(rest[0]), int(rest[1]))] = sock
+        claims = {d.claim: sock for d, sock in taken.claim(sockets.ProxyPortSocket)}
+        node_ports = {d.key: sock for d, sock in taken.claim(sockets.NodePortSocket)}
+        health = {(d.address, d.port): sock for d, sock in taken.claim(sockets.HealthSocket)}
         if self.workers is not None:
             self.workers.adopt_groups(taken.groups)
         self.proxier.adopt(claims, node_ports)
@@ -473,13 +461,13 @@ class _Giver:
         self._stop = stop
         self.workers = proxy.workers.count if proxy.workers is not None else 1
 
-    def handover_sockets(self) -> list[tuple[list[Any], int]]:
+    def handover_sockets(self) -> list[tuple[sockets.SocketDescription, int]]:
         proxy = self._proxy
         items = proxy.proxier.handover_sockets() + proxy.service_health.handover_sockets()
         if proxy.ops is not None:
             for (host, port), sock in proxy.ops.listening:
                 if sock.fileno() >= 0:
-                    items.append((["ops", host, port], sock.fileno()))
+                    items.append((sockets.OpsSocket(host, port), sock.fileno()))
         return items
 
     def handover_state(self) -> tuple[bytes, list[Any]]:
@@ -547,7 +535,7 @@ def make_source(
 
 async def _start_ops(proxy: Proxy, taken: handover.Taken | None = None) -> None:
     config = proxy.config
-    adopted = {(str(d[1]), int(d[2])): sock for d, sock in taken.claim("ops")} if taken else {}
+    adopted = {(d.host, d.port): s for d, s in taken.claim(sockets.OpsSocket)} if taken else {}
     proxy.ops = await start_ops(
         healthz_bind=config.healthz_bind_address,
         metrics_bind=config.metrics_bind_address,

@@ -13,13 +13,13 @@ import json
 import socket
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.model import ServicePortInfo, ServicePortName, Snapshot
 from kube_userspace_proxy.ops.health import HTTP_OK, HTTP_UNAVAILABLE, ProxyHealth
+from kube_userspace_proxy.restart.sockets import HealthSocket, SocketDescription
 
 log = logs.get(__name__)
 
@@ -113,10 +113,10 @@ class ServiceHealthServers:
         instead of binding anew when a Service asks for that port."""
         self._adopted.update(sockets)
 
-    def handover_sockets(self) -> list[tuple[list[Any], int]]:
-        """(["health", address, port], descriptor) for every health-check socket served."""
+    def handover_sockets(self) -> list[tuple[SocketDescription, int]]:
+        """(description, descriptor) for every health-check socket served."""
         return [
-            (["health", address, instance.port], sock.fileno())
+            (HealthSocket(address, instance.port), sock.fileno())
             for instance in self._services.values()
             for address, sock in instance.sockets
             if sock.fileno() >= 0

@@ -35,6 +35,7 @@ from kube_userspace_proxy.proxier.local import LocalDataPlane
 from kube_userspace_proxy.proxier.nodeports import NodePorts
 from kube_userspace_proxy.proxier.portbook import PortBook
 from kube_userspace_proxy.proxier.served import Retired, Served
+from kube_userspace_proxy.restart.sockets import NodePortSocket, ProxyPortSocket, SocketDescription
 
 log = logs.get(__name__)
 
@@ -111,22 +112,19 @@ class Proxier:
         self._book.adopt(claims)
         self._node_ports.adopt(node_ports)
 
-    def handover_sockets(self) -> list[tuple[list[Any], int]]:
-        """What this process serves, to hand over: (description, descriptor) per socket.
-
-        ["port", "ns/name:port", protocol, path] for a proxy port;
-        ["nodeport", protocol, address, port] for a NodePort socket.
-        """
-        out: list[tuple[list[Any], int]] = []
+    def handover_sockets(self) -> list[tuple[SocketDescription, int]]:
+        """What this process serves, to hand over: (description, descriptor) per socket."""
+        out: list[tuple[SocketDescription, int]] = []
         for name, served in self._served.items():
             protocol = str(name.protocol)
             for path, listener in served.listeners.items():
                 if listener.fileno() >= 0:
-                    out.append((["port", str(name), protocol, str(path)], listener.fileno()))
+                    port = ProxyPortSocket(str(name), protocol, str(path))
+                    out.append((port, listener.fileno()))
             for address, listener in served.node_port_listeners:
                 if listener.fileno() >= 0:
-                    entry = ["nodeport", protocol, address, served.node_port]
-                    out.append((entry, listener.fileno()))
+                    node_port = NodePortSocket(protocol, address, served.node_port)
+                    out.append((node_port, listener.fileno()))
         return out
 
     def served_ports(self) -> dict[ClaimKey, int]:
