@@ -28,7 +28,7 @@ from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.config import kubeproxy as kpc
 from kube_userspace_proxy.config.settings import ProxyConfig, effective_document
 from kube_userspace_proxy.errors import ProxyError
-from kube_userspace_proxy.model import ClaimKey, ProxiedPort, Snapshot
+from kube_userspace_proxy.model import Change, ClaimKey, ProxiedPort, Snapshot
 from kube_userspace_proxy.ops.health import ProxyHealth, watch_lag
 from kube_userspace_proxy.ops.metrics import ProxyMetrics, SourceCounters
 from kube_userspace_proxy.ops.server import OpsServer, start_ops
@@ -260,14 +260,14 @@ class Proxy:
             self.metrics.sync_done(time.monotonic() - started)
             self.health.synced()
 
-    def _snapshot(self, snapshot: Snapshot) -> Snapshot:
+    def _snapshot(self, snapshot: Snapshot | Change) -> Snapshot | Change:
         if self.config.node_ips:  # the flag wins over the Node object's addresses
             snapshot = replace(snapshot, node_ips=self.config.node_ips)
         self.node_ips = snapshot.node_ips
         self.health.set_node_eligible(self.state.node_eligible)
         return snapshot
 
-    async def _after(self, snapshot: Snapshot, *, live: float | None = None) -> None:
+    async def _after(self, snapshot: Snapshot | Change, *, live: float | None = None) -> None:
         """What follows each sync and each apply: health servers, metrics, latency, state file.
 
         `live`: when (time.time) a rule commit of this sync made its rules live; changes are
@@ -297,7 +297,7 @@ class Proxy:
                 else:
                     waiting.append((generation, trigger))
             self._awaiting_rules = waiting
-        if snapshot.changed is None or snapshot.changed:
+        if not isinstance(snapshot, Change) or snapshot.changed:
             self._save_later()
 
     async def sync_once(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.cluster.objects import (
@@ -25,12 +25,24 @@ from kube_userspace_proxy.cluster.objects import (
     parse_slice,
     trigger_time,
 )
-from kube_userspace_proxy.model import Endpoint, ServicePortInfo, ServicePortName, Snapshot
+from kube_userspace_proxy.model import Change, Endpoint, ServicePortInfo, ServicePortName, Snapshot
 
 log = logs.get(__name__)
 
 Kind = Literal["Service", "EndpointSlice"]
 Event = Literal["ADDED", "MODIFIED", "DELETED"]
+
+
+class _Taken(TypedDict):
+    """What a snapshot and a change both carry (`model.Desired`'s fields), as `_take` takes it."""
+
+    services: Mapping[ServicePortName, ServicePortInfo]
+    endpoints: Mapping[ServicePortName, tuple[Endpoint, ...]]
+    node_name: str | None
+    node_ips: tuple[str, ...]
+    trigger_times: tuple[float, ...]
+    service_changes: int
+    endpoint_changes: int
 
 
 # -- the state ------------------------------------------------------------------------------
@@ -186,10 +198,10 @@ class ClusterState:
         """The complete state now; resets the trigger times and pending change counts."""
         self._rebuild_dirty()
         self._touched.clear()
-        return self._take(dict(self._snap_services), dict(self._snap_endpoints), None)
+        return Snapshot(**self._take(dict(self._snap_services), dict(self._snap_endpoints)))
 
-    def changes(self) -> Snapshot:
-        """What changed since the last snapshot, as a partial Snapshot (`Snapshot.changed`).
+    def changes(self) -> Change:
+        """What changed since the last snapshot or changes (`Change.changed`).
 
         Costs time in proportion to the change: only the Services changed since are rebuilt,
         and only their service ports are copied. Resets what `snapshot()` resets.
@@ -198,10 +210,12 @@ class ClusterState:
         touched, self._touched = self._touched, set()
         services = self._snap_services
         endpoints = self._snap_endpoints
-        return self._take(
-            {n: services[n] for n in touched if n in services},
-            {n: endpoints[n] for n in touched if n in endpoints},
-            frozenset(touched),
+        return Change(
+            changed=frozenset(touched),
+            **self._take(
+                {n: services[n] for n in touched if n in services},
+                {n: endpoints[n] for n in touched if n in endpoints},
+            ),
         )
 
     def view(self) -> Snapshot:
@@ -222,14 +236,13 @@ class ClusterState:
         self,
         services: dict[ServicePortName, ServicePortInfo],
         endpoints: dict[ServicePortName, tuple[Endpoint, ...]],
-        changed: frozenset[ServicePortName] | None,
-    ) -> Snapshot:
+    ) -> _Taken:
         times = tuple(self._trigger_times)
         self._trigger_times.clear()
         changes = (self.pending_service_changes, self.pending_endpoint_changes)
         self.pending_service_changes = 0
         self.pending_endpoint_changes = 0
-        return Snapshot(
+        return _Taken(
             services=MappingProxyType(services),
             endpoints=MappingProxyType(endpoints),
             node_name=self.node_name,
@@ -237,7 +250,6 @@ class ClusterState:
             trigger_times=times,
             service_changes=changes[0],
             endpoint_changes=changes[1],
-            changed=changed,
         )
 
     # -- internals --------------------------------------------------------------------------

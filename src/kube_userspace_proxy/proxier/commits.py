@@ -53,7 +53,7 @@ class CommitScheduler:
         # its node IPs), until `commit` takes it.
         self._early: tuple[asyncio.Task[bool], list[ProxiedPort], tuple[str, ...]] | None = None
 
-    def changed(self) -> None:
+    def target_changed(self) -> None:
         """A rule target changed: the next commit carries a new generation."""
         self.generation += 1
 
@@ -69,13 +69,13 @@ class CommitScheduler:
             or self.node_ips != self._applied_node_ips
         )
 
-    def first_commit_due(self, *, partial: bool) -> bool:
+    def first_commit_due(self, *, complete: bool) -> bool:
         """True when no commit has been made yet and a complete state can be committed early."""
         return (
             self.portals is not None
             and self.applied_generation == -1
             and self._early is None
-            and not partial
+            and complete
             and not self._book.quarantined
         )
 

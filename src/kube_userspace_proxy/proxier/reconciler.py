@@ -19,6 +19,7 @@ from kube_userspace_proxy.balancer import EndpointPool, usable_endpoints
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
+    Change,
     ClaimKey,
     Path,
     ProxiedPort,
@@ -149,11 +150,13 @@ class Proxier:
 
     # ---- reconcile -----------------------------------------------------------------------
 
-    async def sync(self, snapshot: Snapshot, *, full: bool = True, rules: bool = True) -> None:
+    async def sync(
+        self, snapshot: Snapshot | Change, *, full: bool = True, rules: bool = True
+    ) -> None:
         """Make listeners, pools and rules match `snapshot`; per-port failures are contained.
 
-        Without `full` (a sync for a change), work follows the change: a partial snapshot
-        (`Snapshot.changed`) names the service ports to look at, and in a complete one a
+        Without `full` (a sync for a change), work follows the change: a `Change` names the
+        service ports to look at (`Change.changed`), and in a complete `Snapshot` a
         service port whose info and endpoints are the objects last applied is skipped after
         two identity checks. `full` (the first and the periodic syncs) reconciles every service
         port, retrying what failed, and hands the rules to the portals, which check them for
@@ -161,21 +164,22 @@ class Proxier:
         target is only recorded (`rules_pending`): an endpoint-only change never needs one.
         """
         async with self._reconcile_lock:
-            if rules and self._commits.first_commit_due(partial=snapshot.partial):
+            change = isinstance(snapshot, Change)
+            if rules and self._commits.first_commit_due(complete=not change):
                 self._budget.start()
                 await self._commits.commit_early(snapshot.services.values(), snapshot.node_ips)
-            await self._reconcile(snapshot, full=full and not snapshot.partial)
+            await self._reconcile(snapshot, full=full and not change)
         if rules:
             await self.commit_rules(force=full)
 
-    async def _reconcile(self, snapshot: Snapshot, *, full: bool) -> None:
+    async def _reconcile(self, snapshot: Snapshot | Change, *, full: bool) -> None:
         same_node = snapshot.node_name == self.node_name
         self.node_name = snapshot.node_name
         self._commits.node_ips = snapshot.node_ips
         self._budget.start()
         if not self._book.loaded:
             await self._book.load(self._commits.portals)
-        changed = snapshot.changed
+        changed = snapshot.changed if isinstance(snapshot, Change) else None
         services = snapshot.services
         if changed is None:
             gone = [n for n in self._served if n not in services]
@@ -263,15 +267,15 @@ class Proxier:
         await self._commits.commit(force=force)
 
     async def _reconcile_port(
-        self, name: ServicePortName, info: ServicePortInfo, snapshot: Snapshot
+        self, name: ServicePortName, info: ServicePortInfo, snapshot: Snapshot | Change
     ) -> None:
         served = self._served.get(name)
         new = served is None
         if served is None:
             served = Served(info=info, stats=ConnStats(), pools={})
-            self._commits.changed()
+            self._commits.target_changed()
         elif served.info is not info:
-            self._commits.changed()  # the rules are rendered from the info
+            self._commits.target_changed()  # the rules are rendered from the info
             served.target = None
         served.info = info
         fresh: list[tuple[Path, Listener[EndpointPool]]] = []
@@ -301,7 +305,7 @@ class Proxier:
             raise
         if fresh:
             served.target = None
-            self._commits.changed()  # a new proxy port: its rules, and the state file's ports
+            self._commits.target_changed()  # a new proxy port: its rules, the state file's ports
         if new:
             self._served[name] = served
         self._node_ports.point(served)
@@ -324,7 +328,7 @@ class Proxier:
         served.listeners[path] = listener
         return listener
 
-    def _update_endpoints(self, served: Served, snapshot: Snapshot) -> None:
+    def _update_endpoints(self, served: Served, snapshot: Snapshot | Change) -> None:
         info = served.info
         endpoints = snapshot.endpoints_of(info.name)
         served.endpoints = endpoints
@@ -355,7 +359,7 @@ class Proxier:
         """Close the listener of `path`; its port stays out of use until no rule names it."""
         listener = served.listeners.pop(path)
         served.pools.pop(path, None)
-        self._commits.changed()
+        self._commits.target_changed()
         served.target = None
         self._retired.close_later(listener)
         # Rules still send this port's traffic here until the next commit: handing the port
