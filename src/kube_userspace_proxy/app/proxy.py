@@ -20,6 +20,7 @@ from typing import Any, TypeVar, cast
 import uvloop
 
 from kube_userspace_proxy import addresses, collector, logs
+from kube_userspace_proxy.app.handover import Giver, hand_over, ops_sockets, take_over
 from kube_userspace_proxy.app.runner import BoundedFrequencyRunner
 from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.cluster.sources import Source
@@ -39,7 +40,7 @@ from kube_userspace_proxy.proxier.contracts import DataPlane
 from kube_userspace_proxy.proxier.local import LocalDataPlane
 from kube_userspace_proxy.proxier.nodeports import local_addresses_in
 from kube_userspace_proxy.proxier.reconciler import Proxier
-from kube_userspace_proxy.restart import handover, sockets, statefile
+from kube_userspace_proxy.restart import handover, statefile
 from kube_userspace_proxy.workers.pool import WorkerPool
 
 log = logs.get(__name__)
@@ -360,28 +361,16 @@ class Proxy:
         self._saved = snapshot
         self.serving.set()
 
-    async def adopt(self, taken: handover.Taken) -> None:
-        """Serve from what the process this one replaces handed over, at once.
+    async def hold_changes(self) -> None:
+        """Change nothing that is served (no sync, commit or apply) until `resume_changes`:
+        a handover is under way."""
+        await self._sync_lock.acquire()
+        await self._apply_lock.acquire()
 
-        Its sockets replace binding (proxy ports, NodePorts, health-check ports; the workers
-        received theirs already), its applied state replaces the state file, and the worker
-        pool starts from its reuseport groups' order.
-        """
-        try:
-            snapshot, ports = statefile.decode(taken.state, node_name=self.state.node_name)
-        except statefile.StateFileError as exc:
-            raise ProxyError(f"the handed-over state cannot be used: {exc}") from None
-        claims = {d.claim: sock for d, sock in taken.claim(sockets.ProxyPortSocket)}
-        node_ports = {d.key: sock for d, sock in taken.claim(sockets.NodePortSocket)}
-        health = {(d.address, d.port): sock for d, sock in taken.claim(sockets.HealthSocket)}
-        if self.workers is not None:
-            self.workers.adopt_groups(taken.groups)
-        self.proxier.adopt(claims, node_ports)
-        self.service_health.adopt(health)
-        await self.restore((snapshot, ports), source=f"what process {taken.peer} handed over")
-        if self.config.node_ips:
-            snapshot = replace(snapshot, node_ips=self.config.node_ips)
-        await self.service_health.sync(snapshot)
+    def resume_changes(self) -> None:
+        """Change what is served again (the handover failed)."""
+        self._apply_lock.release()
+        self._sync_lock.release()
 
     def applied_state(self) -> Snapshot:
         """The state served now (before the first sync: what was restored or handed over)."""
@@ -453,51 +442,6 @@ async def _ports_sliced(targets: Sequence[ProxiedPort]) -> statefile.Ports:
     return ports
 
 
-class _Giver:
-    """The running proxy's side of a handover (`handover.Giver`)."""
-
-    def __init__(self, proxy: Proxy, stop: asyncio.Event) -> None:
-        self._proxy = proxy
-        self._stop = stop
-        self.workers = proxy.workers.count if proxy.workers is not None else 1
-
-    def handover_sockets(self) -> list[tuple[sockets.SocketDescription, int]]:
-        proxy = self._proxy
-        items = proxy.proxier.handover_sockets() + proxy.service_health.handover_sockets()
-        if proxy.ops is not None:
-            for (host, port), sock in proxy.ops.listening:
-                if sock.fileno() >= 0:
-                    items.append((sockets.OpsSocket(host, port), sock.fileno()))
-        return items
-
-    def handover_state(self) -> tuple[bytes, list[Any]]:
-        proxy = self._proxy
-        state = statefile.encode(proxy.applied_state(), proxy.proxier.served_ports())
-        pool = proxy.workers
-        groups = [[*key, members] for key, members in pool.groups().items()] if pool else []
-        return state, groups
-
-    async def export_workers(self, paths: dict[int, str]) -> dict[int, int]:
-        if self._proxy.workers is None:
-            return {}
-        return await self._proxy.workers.export(paths, handover.STEP_TIMEOUT)
-
-    async def hold(self) -> None:
-        await self._proxy._sync_lock.acquire()
-        await self._proxy._apply_lock.acquire()
-
-    def resume(self) -> None:
-        self._proxy._apply_lock.release()
-        self._proxy._sync_lock.release()
-
-    def handed_over(self) -> None:
-        self._proxy.handed_over = True
-        self._stop.set()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
 def _families(bind_address: str) -> tuple[str, ...]:
     """The IP families the proxy ports serve, as kube-proxy names them in health bodies."""
     if bind_address == "::":
@@ -535,7 +479,7 @@ def make_source(
 
 async def _start_ops(proxy: Proxy, taken: handover.Taken | None = None) -> None:
     config = proxy.config
-    adopted = {(d.host, d.port): s for d, s in taken.claim(sockets.OpsSocket)} if taken else {}
+    adopted = ops_sockets(taken)
     proxy.ops = await start_ops(
         healthz_bind=config.healthz_bind_address,
         metrics_bind=config.metrics_bind_address,
@@ -631,7 +575,7 @@ async def _serve(
         if proxy.workers is not None:
             await proxy.workers.start()
         if taken is not None:
-            await _take_over(proxy, taken)
+            await take_over(proxy, taken)
         elif saved is not None:
             # Served from the file first (a restart during an API-server outage); a bad
             # kubeconfig still ends the process with exit code 2.
@@ -660,7 +604,7 @@ async def _serve(
         asyncio.create_task(watch_lag(proxy.metrics.loop_lag), name="loop-lag"),
     ]
     if config.state_dir:  # the next process takes over from this one
-        giver = _Giver(proxy, stop)
+        giver = Giver(proxy, stop)
         tasks.append(
             asyncio.create_task(
                 handover.serve(config.state_dir, giver, proxy.serving.wait()), name="handover"
@@ -680,7 +624,7 @@ async def _serve(
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     if proxy.handed_over:
-        await _hand_over(proxy, stop)
+        await hand_over(proxy, stop)
     else:
         log.info("stopping: no new connections; open ones get %.1fs", config.shutdown_grace)
         if proxy.workers is not None:
@@ -694,65 +638,6 @@ async def _serve(
             loop.remove_signal_handler(sig)
     log.info("stopped (rules left in place; `kube-userspace-proxy cleanup` removes them)")
     return 0 if outcome == "stopped" else 1
-
-
-async def _take_over(proxy: Proxy, taken: handover.Taken) -> None:
-    """Serve everything the running proxy handed over, then tell it so (it stops).
-
-    Any failure is a ProxyError: the caller then kills the workers, so that nothing closes
-    or shuts down the handed-over sockets the running proxy still serves.
-    """
-    try:
-        await _adopt_everything(proxy, taken)
-    except ProxyError:
-        raise
-    except Exception as exc:
-        raise ProxyError(
-            f"the handover from the running proxy (pid {taken.peer}) failed: {exc!r}; it serves on"
-        ) from exc
-    log.info("serving every port the earlier process served; it stops accepting and drains")
-
-
-async def _adopt_everything(proxy: Proxy, taken: handover.Taken) -> None:
-    config = proxy.config
-    pool = proxy.workers
-    if pool is None:
-        await taken.workers(_no_workers)
-    else:
-        sent = await taken.workers(lambda: pool.prepare_adoption(config.state_dir))
-        received = await pool.finish_adoption(handover.STEP_TIMEOUT)
-        if sent != received:
-            raise ProxyError(f"the workers received {received} socket(s), {sent} were sent")
-        log.info("the workers received %d socket(s) from theirs", sum(received.values()))
-    await proxy.adopt(taken)
-    await taken.serving()
-    taken.close()  # the handed-over sockets nothing took (e.g. ops ones on another address)
-
-
-async def _no_workers() -> dict[int, str]:
-    return {}
-
-
-async def _hand_over(proxy: Proxy, stop: asyncio.Event) -> None:
-    """A new process serves: release every socket untouched, drain, and (with
-    --after-handover=wait) stay until SIGTERM."""
-    config = proxy.config
-    log.info("handed over: no new connections here; open ones get %.1fs", config.shutdown_grace)
-    if proxy.ops is not None:
-        await proxy.ops.close()
-    await proxy.service_health.close()
-    await asyncio.gather(
-        *(
-            [proxy.workers.shutdown(config.shutdown_grace, release=True)]
-            if proxy.workers is not None
-            else []
-        ),
-        proxy.proxier.shutdown(config.shutdown_grace, release=True),
-    )
-    if config.after_handover == "wait":
-        log.info("drained; waiting for SIGTERM (--after-handover=wait)")
-        stop.clear()
-        await stop.wait()
 
 
 async def rules_text(config: ProxyConfig) -> str:
