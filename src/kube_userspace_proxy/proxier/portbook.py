@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Iterable
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import PortExhaustedError
-from kube_userspace_proxy.model import ClaimKey, Path, Protocol, ServicePortInfo
+from kube_userspace_proxy.model import ClaimKey, Path, Protocol, ProxiedPort, ServicePortInfo
 from kube_userspace_proxy.ports import DescriptorBudget, PortAllocator
 from kube_userspace_proxy.proxier.contracts import RuleSink
 
@@ -164,3 +165,16 @@ class PortBook:
         self.drop_claims()
         for sock in self._adopted_claims.values():
             sock.close()
+
+
+def ports_of(targets: Iterable[ProxiedPort]) -> dict[ClaimKey, int]:
+    """The proxy port of each (service port, protocol, path) of rule targets, as the state
+    file keeps them (a path that shares the cluster port is left out)."""
+    ports: dict[ClaimKey, int] = {}
+    for target in targets:
+        name = target.info.name
+        if target.cluster_port:
+            ports[(str(name), str(name.protocol), str(Path.CLUSTER))] = target.cluster_port
+        if target.external_port != target.cluster_port:
+            ports[(str(name), str(name.protocol), str(Path.EXTERNAL))] = target.external_port
+    return ports

@@ -34,9 +34,9 @@ from kube_userspace_proxy.proxier.commits import SLICE_SECONDS, CommitScheduler
 from kube_userspace_proxy.proxier.contracts import DataPlane, Listener, RuleSink
 from kube_userspace_proxy.proxier.local import LocalDataPlane
 from kube_userspace_proxy.proxier.nodeports import NodePorts
-from kube_userspace_proxy.proxier.portbook import PortBook
-from kube_userspace_proxy.proxier.served import Retired, Served
-from kube_userspace_proxy.restart.sockets import NodePortSocket, ProxyPortSocket, SocketDescription
+from kube_userspace_proxy.proxier.portbook import PortBook, ports_of
+from kube_userspace_proxy.proxier.served import Retired, Served, handover_sockets
+from kube_userspace_proxy.restart.sockets import SocketDescription
 
 log = logs.get(__name__)
 
@@ -115,18 +115,7 @@ class Proxier:
 
     def handover_sockets(self) -> list[tuple[SocketDescription, int]]:
         """What this process serves, to hand over: (description, descriptor) per socket."""
-        out: list[tuple[SocketDescription, int]] = []
-        for name, served in self._served.items():
-            protocol = str(name.protocol)
-            for path, listener in served.listeners.items():
-                if listener.fileno() >= 0:
-                    port = ProxyPortSocket(str(name), protocol, str(path))
-                    out.append((port, listener.fileno()))
-            for address, listener in served.node_port_listeners:
-                if listener.fileno() >= 0:
-                    node_port = NodePortSocket(protocol, address, served.node_port)
-                    out.append((node_port, listener.fileno()))
-        return out
+        return handover_sockets(self._served)
 
     def served_ports(self) -> dict[ClaimKey, int]:
         """The proxy port of each served (service port, protocol, path), for the state file."""
@@ -136,17 +125,8 @@ class Proxier:
             for path, listener in served.listeners.items()
         }
 
-    @staticmethod
-    def ports_of(targets: Iterable[ProxiedPort]) -> dict[ClaimKey, int]:
-        """`served_ports` from rule targets (`proxied_ports()`): safe in another thread."""
-        ports: dict[ClaimKey, int] = {}
-        for target in targets:
-            name = target.info.name
-            if target.cluster_port:
-                ports[(str(name), str(name.protocol), str(Path.CLUSTER))] = target.cluster_port
-            if target.external_port != target.cluster_port:
-                ports[(str(name), str(name.protocol), str(Path.EXTERNAL))] = target.external_port
-        return ports
+    ports_of = staticmethod(ports_of)
+    """`served_ports` from rule targets (`proxied_ports()`): safe in another thread."""
 
     # ---- reconcile -----------------------------------------------------------------------
 

@@ -1,15 +1,17 @@
-"""What the proxier serves now: one `Served` per service port, and the listeners it retired."""
+"""What the proxier serves now: one `Served` per service port, the listeners it retired, and
+the descriptions of its sockets for a handover."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats
-from kube_userspace_proxy.model import Endpoint, Path, ProxiedPort, ServicePortInfo
+from kube_userspace_proxy.model import Endpoint, Path, ProxiedPort, ServicePortInfo, ServicePortName
 from kube_userspace_proxy.proxier.contracts import Listener
+from kube_userspace_proxy.restart.sockets import NodePortSocket, ProxyPortSocket, SocketDescription
 
 
 @dataclass(slots=True)
@@ -71,3 +73,21 @@ class Retired:
 
     def clear(self) -> None:
         self._listeners.clear()
+
+
+def handover_sockets(
+    served_ports: Mapping[ServicePortName, Served],
+) -> list[tuple[SocketDescription, int]]:
+    """(description, descriptor) of every open socket of `served_ports`, to hand over."""
+    out: list[tuple[SocketDescription, int]] = []
+    for name, served in served_ports.items():
+        protocol = str(name.protocol)
+        for path, listener in served.listeners.items():
+            if listener.fileno() >= 0:
+                port = ProxyPortSocket(str(name), protocol, str(path))
+                out.append((port, listener.fileno()))
+        for address, listener in served.node_port_listeners:
+            if listener.fileno() >= 0:
+                node_port = NodePortSocket(protocol, address, served.node_port)
+                out.append((node_port, listener.fileno()))
+    return out
