@@ -7,9 +7,10 @@ malformed one is skipped with one log line naming it, and never stops the rest.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypeVar
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.cluster.objects import (
@@ -25,24 +26,20 @@ from kube_userspace_proxy.cluster.objects import (
     parse_slice,
     trigger_time,
 )
-from kube_userspace_proxy.model import Change, Endpoint, ServicePortInfo, ServicePortName, Snapshot
+from kube_userspace_proxy.model import (
+    Change,
+    Desired,
+    Endpoint,
+    ServicePortInfo,
+    ServicePortName,
+    Snapshot,
+)
 
 log = logs.get(__name__)
 
 Kind = Literal["Service", "EndpointSlice"]
 Event = Literal["ADDED", "MODIFIED", "DELETED"]
-
-
-class _Taken(TypedDict):
-    """What a snapshot and a change both carry (`model.Desired`'s fields), as `_take` takes it."""
-
-    services: Mapping[ServicePortName, ServicePortInfo]
-    endpoints: Mapping[ServicePortName, tuple[Endpoint, ...]]
-    node_name: str | None
-    node_ips: tuple[str, ...]
-    trigger_times: tuple[float, ...]
-    service_changes: int
-    endpoint_changes: int
+D = TypeVar("D", bound=Desired)
 
 
 # -- the state ------------------------------------------------------------------------------
@@ -198,7 +195,7 @@ class ClusterState:
         """The complete state now; resets the trigger times and pending change counts."""
         self._rebuild_dirty()
         self._touched.clear()
-        return Snapshot(**self._take(dict(self._snap_services), dict(self._snap_endpoints)))
+        return self._take(Snapshot, dict(self._snap_services), dict(self._snap_endpoints))
 
     def changes(self) -> Change:
         """What changed since the last snapshot or changes (`Change.changed`).
@@ -210,12 +207,10 @@ class ClusterState:
         touched, self._touched = self._touched, set()
         services = self._snap_services
         endpoints = self._snap_endpoints
-        return Change(
-            changed=frozenset(touched),
-            **self._take(
-                {n: services[n] for n in touched if n in services},
-                {n: endpoints[n] for n in touched if n in endpoints},
-            ),
+        return self._take(
+            functools.partial(Change, changed=frozenset(touched)),
+            {n: services[n] for n in touched if n in services},
+            {n: endpoints[n] for n in touched if n in endpoints},
         )
 
     def view(self) -> Snapshot:
@@ -234,15 +229,16 @@ class ClusterState:
 
     def _take(
         self,
+        make: Callable[..., D],
         services: dict[ServicePortName, ServicePortInfo],
         endpoints: dict[ServicePortName, tuple[Endpoint, ...]],
-    ) -> _Taken:
+    ) -> D:
         times = tuple(self._trigger_times)
         self._trigger_times.clear()
         changes = (self.pending_service_changes, self.pending_endpoint_changes)
         self.pending_service_changes = 0
         self.pending_endpoint_changes = 0
-        return _Taken(
+        return make(
             services=MappingProxyType(services),
             endpoints=MappingProxyType(endpoints),
             node_name=self.node_name,
