@@ -49,7 +49,7 @@ from kube_userspace_proxy.config.settings import ProxyConfig
 from kube_userspace_proxy.model import Path as TrafficPath
 from kube_userspace_proxy.model import ServicePortName
 from kube_userspace_proxy.ops import server as ops
-from kube_userspace_proxy.proxier.reconciler import by_name
+from kube_userspace_proxy.proxier.debugview import by_name
 
 PINNED = 5
 PROBE_EVERY = 0.005

@@ -8,6 +8,8 @@
   loop), rule commits and full resyncs by the runner, then health, metrics and the state file.
 - `latency`: trigger times -> the network-programming latency, measured when a change is served.
 - `saver`: the state-file saver (the applied state written in the background after changes).
+- `handover`: the app's side of a handover: what the running proxy gives (`Giver`), how a
+  new one adopts it and serves at once, and how the old one hands over and drains.
 - `runner`: the bounded-frequency runner that coalesces changes into syncs.
 
 The entry points the CLI, the demo and tests use are re-exported here.

@@ -16,7 +16,8 @@ from typing import Any, TypeVar, cast
 import uvloop
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.app.proxy import Proxy, _Giver, _hand_over, _take_over
+from kube_userspace_proxy.app.handover import Giver, hand_over, ops_sockets, take_over
+from kube_userspace_proxy.app.proxy import Proxy
 from kube_userspace_proxy.cluster.sources import Source
 from kube_userspace_proxy.cluster.sources.manifests import ManifestSource
 from kube_userspace_proxy.cluster.state import ClusterState
@@ -106,7 +107,7 @@ async def _startup(
         if proxy.workers is not None:
             await proxy.workers.start()
         if taken is not None:
-            await _take_over(proxy, taken)
+            await take_over(proxy, taken)
         elif saved is not None:
             # Served from the file first (a restart during an API-server outage); a bad
             # kubeconfig still ends the process with exit code 2.
@@ -141,7 +142,7 @@ async def _main_loop(proxy: Proxy, stop: asyncio.Event, started: Started | None)
         asyncio.create_task(watch_lag(proxy.metrics.loop_lag), name="loop-lag"),
     ]
     if config.state_dir:  # the next process takes over from this one
-        giver = _Giver(proxy, stop)
+        giver = Giver(proxy, stop)
         tasks.append(
             asyncio.create_task(
                 handover.serve(config.state_dir, giver, proxy.serving.wait()), name="handover"
@@ -167,7 +168,7 @@ async def _shutdown(proxy: Proxy, stop: asyncio.Event) -> None:
     """Stop serving: drain (open connections get --shutdown-grace), or hand over and drain."""
     config = proxy.config
     if proxy.handed_over:
-        await _hand_over(proxy, stop)
+        await hand_over(proxy, stop)
     else:
         log.info("stopping: no new connections; open ones get %.1fs", config.shutdown_grace)
         if proxy.workers is not None:
@@ -208,7 +209,7 @@ def make_source(
 
 async def _start_ops(proxy: Proxy, taken: handover.Taken | None = None) -> None:
     config = proxy.config
-    adopted = {(str(d[1]), int(d[2])): sock for d, sock in taken.claim("ops")} if taken else {}
+    adopted = ops_sockets(taken)
     proxy.ops = await start_ops(
         healthz_bind=config.healthz_bind_address,
         metrics_bind=config.metrics_bind_address,

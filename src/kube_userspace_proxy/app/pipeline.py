@@ -18,7 +18,7 @@ from kube_userspace_proxy.app.latency import LatencyTracker
 from kube_userspace_proxy.app.runner import BoundedFrequencyRunner
 from kube_userspace_proxy.app.saver import StateSaver
 from kube_userspace_proxy.cluster.state import ClusterState
-from kube_userspace_proxy.model import Snapshot
+from kube_userspace_proxy.model import Change, Snapshot
 from kube_userspace_proxy.ops.health import ProxyHealth
 from kube_userspace_proxy.ops.metrics import ProxyMetrics
 from kube_userspace_proxy.ops.servicehealth import NoLocalEndpoints, ServiceHealthServers
@@ -40,7 +40,7 @@ class Pipeline:
         service_health: ServiceHealthServers,
         saver: StateSaver,
         first_build: collector.Hold,
-        with_node_ips: Callable[[Snapshot], Snapshot],
+        with_node_ips: Callable[[Snapshot | Change], Snapshot | Change],
         sync_lock: asyncio.Lock,
         apply_lock: asyncio.Lock,
         min_sync_period: float,
@@ -155,11 +155,11 @@ class Pipeline:
         self.serving.set()
         return True
 
-    def _snapshot(self, snapshot: Snapshot) -> Snapshot:
+    def _snapshot(self, snapshot: Snapshot | Change) -> Snapshot | Change:
         self._health.set_node_eligible(self._state.node_eligible)
         return self._with_node_ips(snapshot)
 
-    async def _after(self, snapshot: Snapshot, *, live: float | None = None) -> None:
+    async def _after(self, snapshot: Snapshot | Change, *, live: float | None = None) -> None:
         """What follows each sync and each apply: health servers, metrics, latency, state file.
 
         `live`: when (time.time) a rule commit of this sync made its rules live; changes are
@@ -180,7 +180,7 @@ class Pipeline:
             awaiting=proxier.rules_generation if proxier.rules_pending else None,
             committed=proxier.committed_generation,
         )
-        if snapshot.changed is None or snapshot.changed:
+        if not isinstance(snapshot, Change) or snapshot.changed:
             self._saver.later()
 
     def _freeze_long_lived(self, service_ports: int) -> None:

@@ -11,31 +11,31 @@ import asyncio
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TypeVar
 
 from kube_userspace_proxy import addresses, collector, logs
 from kube_userspace_proxy.app.pipeline import Pipeline
 from kube_userspace_proxy.app.saver import StateSaver
+from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.config.settings import ProxyConfig
-from kube_userspace_proxy.errors import ProxyError
-from kube_userspace_proxy.model import ClaimKey, ProxiedPort, Snapshot
+from kube_userspace_proxy.model import ClaimKey, Desired, ProxiedPort, Snapshot
 from kube_userspace_proxy.ops.health import ProxyHealth
 from kube_userspace_proxy.ops.metrics import ProxyMetrics
 from kube_userspace_proxy.ops.server import OpsServer
 from kube_userspace_proxy.ops.servicehealth import ServiceHealthServers
 from kube_userspace_proxy.portals import Portals, explain, make_backend
 from kube_userspace_proxy.ports import PortAllocator
-from kube_userspace_proxy.proxier.reconciler import (
-    DataPlane,
-    LocalDataPlane,
-    Proxier,
-    local_addresses_in,
-)
-from kube_userspace_proxy.restart import handover, statefile
+from kube_userspace_proxy.proxier.contracts import DataPlane
+from kube_userspace_proxy.proxier.local import LocalDataPlane
+from kube_userspace_proxy.proxier.nodeports import local_addresses_in
+from kube_userspace_proxy.proxier.reconciler import Proxier
+from kube_userspace_proxy.restart import statefile
 from kube_userspace_proxy.workers.pool import WorkerPool
 
 log = logs.get(__name__)
+
+D = TypeVar("D", bound=Desired)
 
 
 class _CountingRules:
@@ -88,7 +88,7 @@ class Proxy:
         workers = config.worker_count
         self.workers: WorkerPool | None = None
         self.portals: Portals | None = None
-        dataplane: DataPlane
+        dataplane: DataPlane[EndpointPool]
         if workers > 1:
             dataplane = self.workers = WorkerPool(
                 workers,
@@ -178,7 +178,7 @@ class Proxy:
             nodeport_addresses=config.nodeport_addresses,
         )
 
-    def with_node_ips(self, snapshot: Snapshot) -> Snapshot:
+    def with_node_ips(self, snapshot: D) -> D:
         """`snapshot` with the node IPs that apply: `--node-ip`'s when given, else the Node
         object's (which the snapshot carries)."""
         if self.config.node_ips:
@@ -221,40 +221,16 @@ class Proxy:
         self.saver.saved = snapshot
         self.serving.set()
 
-    async def adopt(self, taken: handover.Taken) -> None:
-        """Serve from what the process this one replaces handed over, at once.
+    async def hold_changes(self) -> None:
+        """Change nothing that is served (no sync, commit or apply) until `resume_changes`:
+        a handover is under way."""
+        await self._sync_lock.acquire()
+        await self._apply_lock.acquire()
 
-        Its sockets replace binding (proxy ports, NodePorts, health-check ports; the workers
-        received theirs already), its applied state replaces the state file, and the worker
-        pool starts from its reuseport groups' order.
-        """
-        try:
-            snapshot, ports = statefile.decode(taken.state, node_name=self.state.node_name)
-        except statefile.StateFileError as exc:
-            raise ProxyError(f"the handed-over state cannot be used: {exc}") from None
-        claims = {}
-        node_ports = {}
-        health = {}
-        for description, sock in [
-            *taken.claim("port"),
-            *taken.claim("nodeport"),
-            *taken.claim("health"),
-        ]:
-            kind, *rest = description
-            if kind == "port":
-                claims[(str(rest[0]), str(rest[1]), str(rest[2]))] = sock
-            elif kind == "nodeport":
-                node_ports[(str(rest[0]), str(rest[1]), int(rest[2]))] = sock
-            elif kind == "health":
-                health[(str(rest[0]), int(rest[1]))] = sock
-        if self.workers is not None:
-            self.workers.adopt_groups(taken.groups)
-        self.proxier.adopt(claims, node_ports)
-        self.service_health.adopt(health)
-        await self.restore((snapshot, ports), source=f"what process {taken.peer} handed over")
-        if self.config.node_ips:
-            snapshot = replace(snapshot, node_ips=self.config.node_ips)
-        await self.service_health.sync(snapshot)
+    def resume_changes(self) -> None:
+        """Change what is served again (the handover failed)."""
+        self._apply_lock.release()
+        self._sync_lock.release()
 
     def applied_state(self) -> Snapshot:
         """The state served now (before the first sync: what was restored or handed over)."""
@@ -268,112 +244,8 @@ class Proxy:
             await self.workers.collect(debug=debug)
 
 
-class _Giver:
-    """The running proxy's side of a handover (`handover.Giver`)."""
-
-    def __init__(self, proxy: Proxy, stop: asyncio.Event) -> None:
-        self._proxy = proxy
-        self._stop = stop
-        self.workers = proxy.workers.count if proxy.workers is not None else 1
-
-    def handover_sockets(self) -> list[tuple[list[Any], int]]:
-        proxy = self._proxy
-        items = proxy.proxier.handover_sockets() + proxy.service_health.handover_sockets()
-        if proxy.ops is not None:
-            for (host, port), sock in proxy.ops.listening:
-                if sock.fileno() >= 0:
-                    items.append((["ops", host, port], sock.fileno()))
-        return items
-
-    def handover_state(self) -> tuple[bytes, list[Any]]:
-        proxy = self._proxy
-        state = statefile.encode(proxy.applied_state(), proxy.proxier.served_ports())
-        pool = proxy.workers
-        groups = [[*key, members] for key, members in pool.groups().items()] if pool else []
-        return state, groups
-
-    async def export_workers(self, paths: dict[int, str]) -> dict[int, int]:
-        if self._proxy.workers is None:
-            return {}
-        return await self._proxy.workers.export(paths, handover.STEP_TIMEOUT)
-
-    async def hold(self) -> None:
-        await self._proxy._sync_lock.acquire()
-        await self._proxy._apply_lock.acquire()
-
-    def resume(self) -> None:
-        self._proxy._apply_lock.release()
-        self._proxy._sync_lock.release()
-
-    def handed_over(self) -> None:
-        self._proxy.handed_over = True
-        self._stop.set()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
 def _families(bind_address: str) -> tuple[str, ...]:
     """The IP families the proxy ports serve, as kube-proxy names them in health bodies."""
     if bind_address == "::":
         return ("IPv4", "IPv6")  # dual stack (IPV6_V6ONLY off)
     return ("IPv6",) if addresses.ip_family(bind_address) == 6 else ("IPv4",)
-
-
-async def _take_over(proxy: Proxy, taken: handover.Taken) -> None:
-    """Serve everything the running proxy handed over, then tell it so (it stops).
-
-    Any failure is a ProxyError: the caller then kills the workers, so that nothing closes
-    or shuts down the handed-over sockets the running proxy still serves.
-    """
-    try:
-        await _adopt_everything(proxy, taken)
-    except ProxyError:
-        raise
-    except Exception as exc:
-        raise ProxyError(
-            f"the handover from the running proxy (pid {taken.peer}) failed: {exc!r}; it serves on"
-        ) from exc
-    log.info("serving every port the earlier process served; it stops accepting and drains")
-
-
-async def _adopt_everything(proxy: Proxy, taken: handover.Taken) -> None:
-    config = proxy.config
-    pool = proxy.workers
-    if pool is None:
-        await taken.workers(_no_workers)
-    else:
-        sent = await taken.workers(lambda: pool.prepare_adoption(config.state_dir))
-        received = await pool.finish_adoption(handover.STEP_TIMEOUT)
-        if sent != received:
-            raise ProxyError(f"the workers received {received} socket(s), {sent} were sent")
-        log.info("the workers received %d socket(s) from theirs", sum(received.values()))
-    await proxy.adopt(taken)
-    await taken.serving()
-    taken.close()  # the handed-over sockets nothing took (e.g. ops ones on another address)
-
-
-async def _no_workers() -> dict[int, str]:
-    return {}
-
-
-async def _hand_over(proxy: Proxy, stop: asyncio.Event) -> None:
-    """A new process serves: release every socket untouched, drain, and (with
-    --after-handover=wait) stay until SIGTERM."""
-    config = proxy.config
-    log.info("handed over: no new connections here; open ones get %.1fs", config.shutdown_grace)
-    if proxy.ops is not None:
-        await proxy.ops.close()
-    await proxy.service_health.close()
-    await asyncio.gather(
-        *(
-            [proxy.workers.shutdown(config.shutdown_grace, release=True)]
-            if proxy.workers is not None
-            else []
-        ),
-        proxy.proxier.shutdown(config.shutdown_grace, release=True),
-    )
-    if config.after_handover == "wait":
-        log.info("drained; waiting for SIGTERM (--after-handover=wait)")
-        stop.clear()
-        await stop.wait()

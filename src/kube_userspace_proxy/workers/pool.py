@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import socket
 
-from kube_userspace_proxy.balancer import BalancerView, EndpointPool
-from kube_userspace_proxy.dataplane import ConnStats, Picker
+from kube_userspace_proxy.balancer import BalancerView, PoolView
+from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.model import SocketKey
 from kube_userspace_proxy.workers.counters import Counters
 from kube_userspace_proxy.workers.groups import Groups
@@ -31,7 +31,7 @@ class SharedPort:
     """A proxy port (or NodePort) served by the workers; this process holds its reservation."""
 
     def __init__(
-        self, pool: WorkerPool, sock: socket.socket, picker: Picker, stats: ConnStats, name: str
+        self, pool: WorkerPool, sock: socket.socket, picker: PoolView, stats: ConnStats, name: str
     ) -> None:
         if sock.type == socket.SOCK_STREAM:
             # Workers' listeners join this reservation: it must allow that, and nobody else.
@@ -60,7 +60,7 @@ class SharedPort:
         """The next `publish()` carries the pool's endpoints to the workers."""
         self._pool.touch(self)
 
-    def set_picker(self, picker: Picker) -> None:
+    def set_picker(self, picker: PoolView) -> None:
         self.picker = picker
         self._pool.touch(self)
 
@@ -135,7 +135,7 @@ class WorkerPool:
     def listener(
         self,
         sock: socket.socket,
-        pool: EndpointPool,
+        pool: PoolView,
         stats: ConnStats,
         name: str,
         *,
@@ -166,12 +166,12 @@ class WorkerPool:
         stats = {port.name: port.stats for port in self._publisher.ports.values()}
         await self._counters.collect(self._supervisor.live(), stats, debug=debug)
 
-    def affinity_summary(self, pool: EndpointPool) -> tuple[int, list[Pin]]:
+    def affinity_summary(self, pool: PoolView) -> tuple[int, list[Pin]]:
         """The pin count and the pins shown, as the workers reported them at the last
         `collect(debug=True)`."""
         return self._counters.affinity_summary(self._publisher.pool_id(pool))
 
-    def balancer_view(self, pool: EndpointPool) -> BalancerView:
+    def balancer_view(self, pool: PoolView) -> BalancerView:
         """What each worker's copy of `pool` reported at the last `collect(debug=True)`."""
         return self._counters.balancer_view(self._publisher.pool_id(pool), pool.addresses)
 

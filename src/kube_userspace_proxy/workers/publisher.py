@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.balancer import EndpointPool
-from kube_userspace_proxy.dataplane import ConnStats, Picker
+from kube_userspace_proxy.balancer import PoolView
+from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.model import SocketKey
 from kube_userspace_proxy.workers import protocol
 from kube_userspace_proxy.workers.groups import CONTROL, Groups
@@ -47,7 +47,7 @@ class Port(Protocol):
 
     key: SocketKey
     name: str
-    picker: Picker
+    picker: PoolView
     v6only: int
     stats: ConnStats
 
@@ -68,7 +68,7 @@ class Publisher:
         self._live = live
         self.ports: dict[SocketKey, Port] = {}
         """Every port served now."""
-        self._pool_ids: weakref.WeakKeyDictionary[Picker, int] = weakref.WeakKeyDictionary()
+        self._pool_ids: weakref.WeakKeyDictionary[PoolView, int] = weakref.WeakKeyDictionary()
         self._next_pool_id = itertools.count(1)
         self._lock = asyncio.Lock()
         self._published = False  # a table (or delta) went out: restarted workers need one
@@ -118,7 +118,7 @@ class Publisher:
         if port.key[0] == "UDP":
             self._groups.leave(port.key, CONTROL)
 
-    def pool_id(self, picker: Picker) -> int | None:
+    def pool_id(self, picker: PoolView) -> int | None:
         """The id the workers know `picker`'s pool by (None: never published)."""
         return self._pool_ids.get(picker)
 
@@ -278,7 +278,7 @@ class Publisher:
 
     # ---- the table's entries -------------------------------------------------------------------
 
-    def _pool_id(self, picker: Picker) -> int:
+    def _pool_id(self, picker: PoolView) -> int:
         pool_id = self._pool_ids.get(picker)
         if pool_id is None:
             pool_id = self._pool_ids[picker] = next(self._next_pool_id)
@@ -292,7 +292,6 @@ class Publisher:
             picker = port.picker
             pool_id = self._pool_id(picker)
             if pool_id not in pools:
-                assert isinstance(picker, EndpointPool)
                 name = picker.name
                 pools[pool_id] = (
                     (name.namespace, name.name, name.port, str(name.protocol)),
