@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.cluster.state import ClusterState, Kind
+from kube_userspace_proxy.cluster.sink import Kind, StateSink
 from kube_userspace_proxy.errors import ManifestError
 
 log = logs.get(__name__)
@@ -118,7 +118,7 @@ def _signature(path: Path) -> Signature | None:
 
 
 class ManifestSource:
-    """Feeds a ClusterState from manifest files or directories (`*.yaml`, `*.yml`, `*.json`).
+    """Feeds a StateSink from manifest files or directories (`*.yaml`, `*.yml`, `*.json`).
 
     `run()` polls the files every `poll_interval` seconds (a stat per file) and replaces both
     kinds in the state when any file changed.
@@ -127,7 +127,7 @@ class ManifestSource:
     def __init__(
         self,
         paths: Sequence[str | Path],
-        state: ClusterState,
+        state: StateSink,
         *,
         poll_interval: float = 0.5,
     ) -> None:
