@@ -7,7 +7,7 @@ import ctypes.util
 import ipaddress
 import os
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from kube_userspace_proxy.errors import ConfigError
@@ -110,6 +110,14 @@ def primary_cidrs(node_ips: Iterable[str]) -> tuple[str, ...]:
             families.add(family)
             cidrs.append(f"{ip}/{32 if family == 4 else 128}")
     return tuple(cidrs)
+
+
+def nodeport_cidrs(configured: Sequence[str], node_ips: Iterable[str]) -> tuple[str, ...]:
+    """The CIDRs a `nodePortAddresses` setting names now: `primary` expanded from `node_ips`
+    (none known: none), any other setting as it is."""
+    if tuple(configured) == (NODEPORT_PRIMARY,):
+        return primary_cidrs(node_ips)
+    return tuple(configured)
 
 
 def node_ips(node: Mapping[str, Any] | None) -> tuple[str, ...]:

@@ -186,13 +186,11 @@ class Proxy:
         return snapshot
 
     def _node_port_addresses(self) -> Sequence[str]:
-        cidrs = self.config.nodeport_addresses
-        if cidrs == (addresses.NODEPORT_PRIMARY,):
-            cidrs = addresses.primary_cidrs(self.proxier.node_ips)  # of the sync under way
-            if not cidrs:
-                return ()
-        elif not cidrs:
+        configured = self.config.nodeport_addresses
+        if not configured:
             return (self.config.bind_address,)
+        # `primary`: the node IPs of the sync under way.
+        cidrs = addresses.nodeport_cidrs(configured, self.proxier.node_ips)
         return local_addresses_in(cidrs, addresses.local_addresses())
 
     def _changed(self) -> None:

@@ -53,13 +53,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar, dataclass_transform
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.addresses import (
-    NODEPORT_PRIMARY,
-    Family,
-    ip_family,
-    join_host_port,
-    primary_cidrs,
-)
+from kube_userspace_proxy.addresses import Family, ip_family, join_host_port, nodeport_cidrs
 from kube_userspace_proxy.model import ClaimKey, Path, ProxiedPort, ServicePortName
 
 CONTAINER_PORTALS = "KUBE-PORTALS-CONTAINER"
@@ -361,15 +355,11 @@ class Settings:
 
     def nodeport_dsts(self, family: Family) -> list[str]:
         """`-d` values for NodePort rules: [""] (any local address) or the matching CIDRs."""
-        if self.nodeport_addresses == (NODEPORT_PRIMARY,):
-            # Follows the node IPs; none known in this family: no NodePort rules for it.
-            cidrs = primary_cidrs(self.node_ips)
-        elif not self.nodeport_addresses:
+        if not self.nodeport_addresses:
             return [""]
-        else:
-            cidrs = self.nodeport_addresses
         dsts: list[str] = []
-        for text in cidrs:
+        # `primary` follows the node IPs; none known in a family: no NodePort rules for it.
+        for text in nodeport_cidrs(self.nodeport_addresses, self.node_ips):
             net = ipaddress.ip_network(text, strict=False)
             if net.version == family:
                 dsts.append("" if net.prefixlen == 0 else str(net))
