@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,17 +20,68 @@ PINS_SHOWN = 20
 """ClientIP pins /debug/state lists per service port (besides how many there are)."""
 
 
+class Topology(enum.StrEnum):
+    """Which endpoints a Cluster-policy path uses, as kube-proxy's topology modes name them."""
+
+    ALL = ""
+    """No usable hints: every endpoint."""
+    SAME_NODE = "PreferSameNode"
+    """Those whose `hints.forNodes` name this node."""
+    SAME_ZONE = "PreferSameZone"
+    """Those whose `hints.forZones` name this node's zone (trafficDistribution PreferClose)."""
+
+
+def topology_mode(endpoints: Sequence[Endpoint], node_name: str | None, zone: str) -> Topology:
+    """The hints a Cluster-policy path follows: node hints when every ready endpoint has some
+    and one names this node, else zone hints likewise for this node's zone, else none."""
+    any_ready = False
+    all_node_hints = all_zone_hints = True
+    for_node = for_zone = False
+    for e in endpoints:
+        if not e.ready:
+            continue
+        any_ready = True
+        if not e.node_hints:
+            all_node_hints = False
+        elif node_name is not None and node_name in e.node_hints:
+            for_node = True
+        if not e.zone_hints:
+            all_zone_hints = False
+        elif zone and zone in e.zone_hints:
+            for_zone = True
+    if not any_ready:
+        return Topology.ALL
+    if all_node_hints and for_node:
+        return Topology.SAME_NODE
+    if all_zone_hints and for_zone:
+        return Topology.SAME_ZONE
+    return Topology.ALL
+
+
 def usable_endpoints(
-    endpoints: Sequence[Endpoint], *, local_only: bool, node_name: str | None
+    endpoints: Sequence[Endpoint],
+    *,
+    local_only: bool,
+    node_name: str | None,
+    topology: Topology = Topology.ALL,
+    zone: str = "",
 ) -> tuple[Endpoint, ...]:
     """The endpoints traffic may go to: ready ones, else serving-and-terminating ones.
 
     With `local_only` (traffic policy Local) only endpoints on `node_name` count, before the
     fallback is applied, as in kube-proxy; an unknown node name has no local endpoints.
+    Otherwise `topology` (from `topology_mode`) narrows the ready ones to those hinted for
+    this node or `zone`; the serving-and-terminating fallback ignores hints, as kube-proxy's.
     """
     if local_only:
         endpoints = [e for e in endpoints if node_name is not None and e.node_name == node_name]
-    ready = tuple(e for e in endpoints if e.ready)
+        topology = Topology.ALL
+    if topology is Topology.SAME_NODE:
+        ready = tuple(e for e in endpoints if e.ready and node_name in e.node_hints)
+    elif topology is Topology.SAME_ZONE:
+        ready = tuple(e for e in endpoints if e.ready and zone in e.zone_hints)
+    else:
+        ready = tuple(e for e in endpoints if e.ready)
     if ready:
         return ready
     return tuple(e for e in endpoints if e.serving and e.terminating)

@@ -186,9 +186,12 @@ class Proxy:
         return snapshot
 
     def _node_port_addresses(self) -> Sequence[str]:
-        if not self.config.nodeport_addresses:
+        configured = self.config.nodeport_addresses
+        if not configured:
             return (self.config.bind_address,)
-        return local_addresses_in(self.config.nodeport_addresses, addresses.local_addresses())
+        # `primary`: the node IPs of the sync under way.
+        cidrs = addresses.nodeport_cidrs(configured, self.proxier.node_ips)
+        return local_addresses_in(cidrs, addresses.local_addresses())
 
     def _changed(self) -> None:
         self.pipeline.changed()

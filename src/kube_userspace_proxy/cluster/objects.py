@@ -34,6 +34,8 @@ ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 ANNOTATION_PROXY_PROTOCOL = "kube-userspace-proxy.io/proxy-protocol"
 _PROXY_PROTOCOL_VERSIONS = {"v1": 1, "v2": 2}
 TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
+LABEL_TOPOLOGY_ZONE = "topology.kubernetes.io/zone"
+_IP_MODES = frozenset({"VIP", "Proxy"})
 
 _MAX_AFFINITY_TIMEOUT = 86400  # kube-apiserver's validation limit
 _EXTERNALLY_ACCESSIBLE_TYPES = frozenset({"NodePort", "LoadBalancer"})
@@ -64,6 +66,20 @@ class SliceEndpoint:
     serving: bool
     terminating: bool
     node_name: str | None
+    node_hints: tuple[str, ...] = ()
+    zone_hints: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFacts:
+    """What the proxy uses of its own Node object."""
+
+    ips: tuple[str, ...]
+    """Node IPs as Kubernetes' GetNodeHostIPs ranks them: the primary one per family."""
+    eligible: bool
+    """False while the Node is being deleted or tainted for scale-down."""
+    zone: str = ""
+    """Its `topology.kubernetes.io/zone` label ("": none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +275,13 @@ def parse_service(
         where = f"status.loadBalancer.ingress[{i}]"
         if not isinstance(ingress, Mapping):
             raise Malformed(f"{where}: expected an object, got {ingress!r}")
+        ip_mode = _field(ingress, "ipMode", str, f"{where}.", "VIP")
+        if ip_mode not in _IP_MODES:
+            raise Malformed(f"{where}.ipMode: unknown mode {ip_mode!r} (VIP or Proxy)")
+        if ip_mode == "Proxy":
+            # KEP-1860: the load balancer proxies to the NodePorts itself; capturing its IP
+            # here would short-circuit it (its PROXY headers, TLS, health checks).
+            continue
         if ingress.get("ip"):  # hostname-only ingresses are for the cloud's DNS, not us
             usable = _usable_ip(ingress["ip"], f"{where}.ip", "Service", key, "loadBalancerIP")
             if usable is not None:
@@ -421,8 +444,33 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
         serving = _field(conditions, "serving", bool, cwhere, ready)  # nil defers to ready
         terminating = _field(conditions, "terminating", bool, cwhere, False)
         node_name = _field(endpoint, "nodeName", str, f"{where}.", "") or None
-        endpoints.append(SliceEndpoint(ip, ready, serving, terminating, node_name))
+        hints = _mapping(endpoint, "hints", f"{where}.")
+        endpoints.append(
+            SliceEndpoint(
+                ip,
+                ready,
+                serving,
+                terminating,
+                node_name,
+                _hint_names(hints, "forNodes", f"{where}.hints."),
+                _hint_names(hints, "forZones", f"{where}.hints."),
+            )
+        )
     return Slice((key[0], service), tuple(ports), tuple(endpoints))
+
+
+def _hint_names(hints: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
+    """The names in `hints.forNodes` or `hints.forZones` (each item `{name: ...}`)."""
+    names: list[str] = []
+    for i, hint in enumerate(_items(hints, key, where)):
+        if not isinstance(hint, Mapping):
+            raise Malformed(f"{where}{key}[{i}]: expected an object, got {hint!r}")
+        name = _field(hint, "name", str, f"{where}{key}[{i}].", "")
+        if not name:
+            raise Malformed(f"{where}{key}[{i}].name is missing")
+        if name not in names:
+            names.append(name)
+    return tuple(names)
 
 
 def trigger_time(obj: Mapping[str, Any]) -> float | None:
@@ -442,9 +490,10 @@ def trigger_time(obj: Mapping[str, Any]) -> float | None:
 # -- Node -----------------------------------------------------------------------------------
 
 
-def parse_node(node: Mapping[str, Any]) -> tuple[tuple[str, ...], bool]:
-    """(node IPs as Kubernetes' GetNodeHostIPs ranks them; eligible to receive traffic)."""
+def parse_node(node: Mapping[str, Any]) -> NodeFacts:
+    """The own Node's IPs, eligibility and zone; raises Malformed naming a bad field."""
     meta = _mapping(node, "metadata", "")
+    zone = _labels(meta).get(LABEL_TOPOLOGY_ZONE) or ""
     eligible = not meta.get("deletionTimestamp")
     for i, taint in enumerate(_items(_mapping(node, "spec", ""), "taints", "spec.")):
         if not isinstance(taint, Mapping):
@@ -458,4 +507,4 @@ def parse_node(node: Mapping[str, Any]) -> tuple[tuple[str, ...], bool]:
             raise Malformed(f"{where}: expected an object, got {address!r}")
         if address.get("type") in {"InternalIP", "ExternalIP"}:
             _ip(address.get("address"), f"{where}.address")
-    return addresses.node_ips(node), eligible
+    return NodeFacts(addresses.node_ips(node), eligible, zone)

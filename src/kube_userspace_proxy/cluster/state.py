@@ -16,6 +16,7 @@ from kube_userspace_proxy import logs
 from kube_userspace_proxy.cluster.objects import (
     Key,
     Malformed,
+    NodeFacts,
     Skip,
     Slice,
     describe,
@@ -79,6 +80,7 @@ class ClusterState:
         self._trigger_times: list[float] = []
         self._node_ips: tuple[str, ...] = ()
         self._node_eligible = True
+        self._node_zone = ""
         # Snapshot parts kept between snapshots; only services marked dirty are rebuilt.
         self._dirty: set[Key] = set()
         self._built: dict[Key, tuple[ServicePortName, ...]] = {}
@@ -100,6 +102,11 @@ class ClusterState:
     @property
     def node_ips(self) -> tuple[str, ...]:
         return self._node_ips
+
+    @property
+    def node_zone(self) -> str:
+        """The own Node's `topology.kubernetes.io/zone` label ("": none or unknown)."""
+        return self._node_zone
 
     # -- input ----------------------------------------------------------------------------
 
@@ -172,20 +179,25 @@ class ClusterState:
             self.on_change()
 
     def set_node(self, node: Mapping[str, Any] | None) -> None:
-        """Take the own Node object (None: unknown or gone): its addresses and eligibility."""
-        ips: tuple[str, ...] = ()
-        eligible = True
+        """Take the own Node object (None: unknown or gone): addresses, eligibility, zone."""
+        facts = NodeFacts((), True)
         if node is not None:
             try:
-                ips, eligible = parse_node(node)
+                facts = parse_node(node)
             except Exception as exc:
                 log.warning("skipping Node %s: %s", _name_of(node), exc)
                 return
-        if (ips, eligible) == (self._node_ips, self._node_eligible):
+        if facts == NodeFacts(self._node_ips, self._node_eligible, self._node_zone):
             return
-        if not eligible and self._node_eligible:
+        if not facts.eligible and self._node_eligible:
             log.info("node %s is being deleted: reporting not eligible", _name_of(node))
-        self._node_ips, self._node_eligible = ips, eligible
+        if (facts.ips, facts.zone) != (self._node_ips, self._node_zone):
+            if facts.zone != self._node_zone:
+                log.info("node zone is now %r (was %r)", facts.zone, self._node_zone)
+            # Zone hints, NodePort addresses (`primary`): every service port is chosen again.
+            self._touched.update(self._snap_services)
+        self._node_ips, self._node_eligible = facts.ips, facts.eligible
+        self._node_zone = facts.zone
         self.on_change()
 
     # -- output ---------------------------------------------------------------------------
@@ -219,6 +231,7 @@ class ClusterState:
             endpoints=MappingProxyType(dict(self._snap_endpoints)),
             node_name=self.node_name,
             node_ips=self._node_ips,
+            node_zone=self._node_zone,
         )
 
     def _rebuild_dirty(self) -> None:
@@ -242,6 +255,7 @@ class ClusterState:
             endpoints=MappingProxyType(endpoints),
             node_name=self.node_name,
             node_ips=self._node_ips,
+            node_zone=self._node_zone,
             trigger_times=times,
             service_changes=changes[0],
             endpoint_changes=changes[1],
@@ -396,7 +410,14 @@ class ClusterState:
                     # The same endpoint in two slices (during a move): the ready copy wins.
                     if seen is None or (e.ready and not seen.ready):
                         into[(e.ip, number)] = Endpoint(
-                            e.ip, number, e.ready, e.serving, e.terminating, e.node_name
+                            e.ip,
+                            number,
+                            e.ready,
+                            e.serving,
+                            e.terminating,
+                            e.node_name,
+                            e.node_hints,
+                            e.zone_hints,
                         )
         for info in infos:
             self._touched.add(info.name)

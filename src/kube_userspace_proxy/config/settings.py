@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.addresses import NODEPORT_PRIMARY
 from kube_userspace_proxy.config import kubeproxy as kpc
 from kube_userspace_proxy.config.fields import APPLIED_PATHS, FILE_FIELDS
 from kube_userspace_proxy.errors import ConfigError
@@ -132,7 +133,8 @@ class ProxyConfig(BaseModel):
     kube_api_burst: int = 10
     """Burst of requests allowed above kube_api_qps."""
     nodeport_addresses: tuple[str, ...] = ()
-    """CIDRs whose local addresses answer NodePorts; empty: every local address."""
+    """CIDRs whose local addresses answer NodePorts, or `primary` (the Node's IP of each
+    family, followed); empty: every local address."""
     cluster_cidr: str = ""
     """The cluster's Pod CIDR (informational; shown in /configz)."""
     service_proxy_name: str = ""
@@ -190,7 +192,7 @@ class ProxyConfig(BaseModel):
     @classmethod
     def _check_cidrs(cls, value: Any) -> tuple[str, ...]:
         cidrs = expand_nodeport_addresses(tuple(str(v) for v in value or ()))
-        for cidr in cidrs:
+        for cidr in cidrs if cidrs != (NODEPORT_PRIMARY,) else ():
             ipaddress.ip_network(cidr, strict=False)
         return cidrs
 
@@ -402,19 +404,22 @@ def config_from_document(doc: Mapping[str, Any], *, source: str = "config") -> d
 def expand_nodeport_addresses(values: Sequence[str]) -> tuple[str, ...]:
     """kube-proxy's nodePortAddresses keywords as CIDRs: `localhost`, `all`; empty means all.
 
-    `primary` (the Node object's IPs) cannot be expanded before the Node is known: it is dropped
-    with a warning, leaving the other entries (or every local address when none is left).
+    `primary` alone stays as it is: the Node's primary IPs, followed as they change (see
+    `addresses.primary_cidrs`). Beside CIDRs, which kube-proxy refuses, it is dropped with a
+    warning, leaving the other entries.
     """
+    if tuple(values) == (NODEPORT_PRIMARY,):
+        return (NODEPORT_PRIMARY,)
     out: list[str] = []
     for value in values:
         if value == "all":
             return ()
         if value == "localhost":
             out += ["127.0.0.0/8", "::1/128"]
-        elif value == "primary":
+        elif value == NODEPORT_PRIMARY:
             log.warning(
-                "nodePortAddresses 'primary' is not supported; give the node's CIDRs instead "
-                "(NodePorts answer on every local address otherwise)"
+                "nodePortAddresses 'primary' beside CIDRs is ignored: it must be the only"
+                " entry, as kube-proxy requires"
             )
         else:
             out.append(value)

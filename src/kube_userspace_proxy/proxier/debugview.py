@@ -57,6 +57,7 @@ def entries(
                 for path, pool in served.pools.items()
             },
             "knownEndpoints": served.all_endpoints,
+            "topology": served.topology or "none",
             "balancer": {
                 str(path): _balancer_json(dataplane.balancer_view(pool))
                 for path, pool in served.pools.items()

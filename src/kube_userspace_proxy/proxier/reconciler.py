@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequenc
 from typing import Any
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.balancer import EndpointPool, usable_endpoints
+from kube_userspace_proxy.balancer import EndpointPool, topology_mode, usable_endpoints
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
@@ -77,6 +77,13 @@ class Proxier:
         self._errors: dict[ServicePortName, str] = {}
         self._opened: list[Served] = []  # announced once they serve
         self.node_name: str | None = None
+        self._node_zone = ""
+        self._node_port_now: tuple[str, ...] | None = None  # set while the node's IPs moved
+
+    @property
+    def node_ips(self) -> tuple[str, ...]:
+        """The node IPs of the sync in progress (or the last one)."""
+        return self._commits.node_ips
 
     @property
     def rule_applies(self) -> int:
@@ -153,9 +160,13 @@ class Proxier:
             await self.commit_rules(force=full)
 
     async def _reconcile(self, snapshot: Snapshot | Change, *, full: bool) -> None:
-        same_node = snapshot.node_name == self.node_name
+        # A new zone or node IPs choose endpoints (hints) and NodePort addresses again.
+        node_moved = (snapshot.node_zone, snapshot.node_ips) != (self._node_zone, self.node_ips)
+        same_node = snapshot.node_name == self.node_name and not node_moved
         self.node_name = snapshot.node_name
         self._commits.node_ips = snapshot.node_ips
+        self._node_zone = snapshot.node_zone
+        self._node_port_now = self._node_ports.addresses_now() if node_moved else None
         self._budget.start()
         if not self._book.loaded:
             await self._book.load(self._commits.portals)
@@ -289,6 +300,8 @@ class Proxier:
         if new:
             self._served[name] = served
         self._node_ports.point(served)
+        if served.node_port and self._node_port_now is not None:
+            await self._node_ports.follow(served, self._node_port_now)
         if served.node_port != info.node_port:
             self._node_ports.close(served)
             if info.node_port:
@@ -314,13 +327,20 @@ class Proxier:
         served.endpoints = endpoints
         served.all_endpoints = len(endpoints)
         timeout = float(info.affinity_timeout_seconds) if info.client_ip_affinity else None
+        node_name, zone = snapshot.node_name, snapshot.node_zone
+        mode = topology_mode(endpoints, node_name, zone)
+        served.topology = "Local"
         for path, pool in served.pools.items():
             local = (
                 info.external_traffic_local
                 if path is Path.EXTERNAL
                 else info.internal_traffic_local
             )
-            usable = usable_endpoints(endpoints, local_only=local, node_name=snapshot.node_name)
+            if not local:
+                served.topology = mode
+            usable = usable_endpoints(
+                endpoints, local_only=local, node_name=node_name, topology=mode, zone=zone
+            )
             pool.update(usable, affinity_timeout=timeout)
             pool.proxy_protocol = info.proxy_protocol
         for listener in served.every_listener():

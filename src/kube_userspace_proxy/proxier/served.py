@@ -25,6 +25,8 @@ class Served:
     node_port_listeners: list[tuple[str, Listener[EndpointPool]]] = field(default_factory=list)
     node_port: int = 0
     all_endpoints: int = 0
+    topology: str = ""
+    """Which endpoints its Cluster-policy path uses (a Topology mode); "Local": no such path."""
     endpoints: tuple[Endpoint, ...] | None = None
     """The snapshot's endpoint tuple last applied (the state keeps it while it is unchanged)."""
     target: ProxiedPort | None = None

@@ -139,6 +139,7 @@ class Encoder:
                 "version": VERSION,
                 "nodeName": snapshot.node_name,
                 "nodeIPs": list(snapshot.node_ips),
+                "nodeZone": snapshot.node_zone,
             }
         )
         pieces = [f'{head[:-1]},"servicePorts":['.encode()]
@@ -188,7 +189,19 @@ def _entry(name: ServicePortName, info: ServicePortInfo, endpoints: tuple[Endpoi
             "info": {field: getattr(info, field) for field in _INFO_FIELDS},
             # What dataclasses.astuple gives, without its deep copy (a tenth of the cost).
             "endpoints": [
-                (e.ip, e.port, e.ready, e.serving, e.terminating, e.node_name) for e in endpoints
+                (e.ip, e.port, e.ready, e.serving, e.terminating, e.node_name)
+                if not (e.node_hints or e.zone_hints)  # most have none: keep the file short
+                else (
+                    e.ip,
+                    e.port,
+                    e.ready,
+                    e.serving,
+                    e.terminating,
+                    e.node_name,
+                    e.node_hints,
+                    e.zone_hints,
+                )
+                for e in endpoints
             ],
         }
     )
@@ -267,6 +280,7 @@ def decode(data: bytes, *, node_name: str | None) -> tuple[Snapshot, Ports]:
         endpoints=MappingProxyType(endpoints),
         node_name=node_name,
         node_ips=node_ips,
+        node_zone=zone if isinstance(zone := document.get("nodeZone"), str) else "",
     )
     return snapshot, ports
 
@@ -290,10 +304,20 @@ def _info(name: ServicePortName, raw: Any) -> ServicePortInfo:
 
 
 def _endpoint(raw: Any) -> Endpoint:
-    ip, port, ready, serving, terminating, node = raw
+    ip, port, ready, serving, terminating, node, *hints = raw
     if not isinstance(ip, str) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"bad endpoint {raw!r}")
-    return Endpoint(ip, port, bool(ready), bool(serving), bool(terminating), node)
+    node_hints, zone_hints = hints if hints else ((), ())
+    return Endpoint(
+        ip,
+        port,
+        bool(ready),
+        bool(serving),
+        bool(terminating),
+        node,
+        tuple(str(h) for h in node_hints),
+        tuple(str(h) for h in zone_hints),
+    )
 
 
 def save(directory: str, snapshot: Snapshot, ports: Ports) -> None:
