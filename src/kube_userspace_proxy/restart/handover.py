@@ -2,8 +2,9 @@
 
 The running proxy listens on `<state-dir>/handover.sock` (a unix SOCK_SEQPACKET socket, mode
 0600). Before it reads or sends anything it checks the peer (`peers`: the same user and the
-same network namespace) and refuses any other with one warning, serving on. A new process started with the same state
-directory connects before it binds anything, and the two talk (`fdpass`, JSON messages):
+same network namespace) and refuses any other with one warning, serving on. A new process
+started with the same state directory connects before it binds anything, and the two talk
+(`fdpass`, JSON messages):
 
     new -> old   hello {version, workers}
     old -> new   offer {version, workers}       (mismatch: new says "stop", see below)
