@@ -67,6 +67,8 @@ async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> 
     taken = None
     if config.state_dir:
         try:
+            # Before anything in it is read or listened to: others must not write there.
+            statefile.check_directory(config.state_dir)
             taken = await handover.take(
                 config.state_dir,
                 proxy.workers.count if proxy.workers else 1,

@@ -204,7 +204,11 @@ class Proxy:
         """What an earlier run saved in the state directory (None: nothing usable)."""
         if not self.config.state_dir:
             return None
-        return statefile.load(self.config.state_dir, node_name=self.state.node_name)
+        return statefile.load(
+            self.config.state_dir,
+            node_name=self.state.node_name,
+            loopback=self.config.allows_loopback_endpoints,
+        )
 
     async def restore(self, saved: tuple[Snapshot, statefile.Ports], *, source: str = "") -> None:
         """Serve the state an earlier run saved, until the first complete list.

@@ -32,15 +32,15 @@ LABEL_HEADLESS = "service.kubernetes.io/headless"
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"
 ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 ANNOTATION_PROXY_PROTOCOL = "kube-userspace-proxy.io/proxy-protocol"
-_PROXY_PROTOCOL_VERSIONS = {"v1": 1, "v2": 2}
+PROXY_PROTOCOL_VERSIONS = {"v1": 1, "v2": 2}
 TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
 LABEL_TOPOLOGY_ZONE = "topology.kubernetes.io/zone"
 _IP_MODES = frozenset({"VIP", "Proxy"})
 
-_MAX_AFFINITY_TIMEOUT = 86400  # kube-apiserver's validation limit
+MAX_AFFINITY_TIMEOUT = 86400  # kube-apiserver's validation limit
 _EXTERNALLY_ACCESSIBLE_TYPES = frozenset({"NodePort", "LoadBalancer"})
 _SERVICE_TYPES = frozenset({"ClusterIP", "NodePort", "LoadBalancer", "ExternalName"})
-_PROTOCOLS = frozenset({"TCP", "UDP", "SCTP"})
+PROTOCOLS = frozenset({"TCP", "UDP", "SCTP"})
 
 T = TypeVar("T")
 
@@ -131,13 +131,14 @@ def _items(obj: Mapping[str, Any], key: str, where: str) -> list[Any]:
     return _field(obj, key, list, where, [])
 
 
-def _port(value: Any, where: str) -> int:
+def port_number(value: Any, where: str) -> int:
+    """`value` as a port number (1-65535, never a bool); Malformed naming `where` otherwise."""
     if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= 65535:
         raise Malformed(f"{where}: {value!r} is not a port number (1-65535)")
     return value
 
 
-def _ip(value: Any, where: str, version: int | None = None) -> str:
+def ip_address(value: Any, where: str, version: int | None = None) -> str:
     """A valid IP address in canonical form (inet_pton: strict and ~7x faster than ipaddress)."""
     if not isinstance(value, str):
         raise Malformed(f"{where}: expected an IP address, got {value!r}")
@@ -151,7 +152,7 @@ def _ip(value: Any, where: str, version: int | None = None) -> str:
     return canonical
 
 
-def _forbidden(ip: str, obj_kind: str, field: str, *, loopback: bool = False) -> str | None:
+def forbidden_kind(ip: str, obj_kind: str, field: str, *, loopback: bool = False) -> str | None:
     """The kind of a canonical address that is never proxied (counted), or None."""
     packed = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
     kind = addresses.forbidden_kind(packed)
@@ -165,9 +166,9 @@ def _forbidden(ip: str, obj_kind: str, field: str, *, loopback: bool = False) ->
 def _usable_ip(
     value: Any, where: str, obj_kind: str, key: Key, field: str, *, loopback: bool = False
 ) -> str | None:
-    """`_ip(value)`, or None (logged and counted) when it is loopback, link-local, etc."""
-    ip = _ip(value, where)
-    kind = _forbidden(ip, obj_kind, field, loopback=loopback)
+    """`ip_address(value)`, or None (logged and counted) when it is loopback, link-local, etc."""
+    ip = ip_address(value, where)
+    kind = forbidden_kind(ip, obj_kind, field, loopback=loopback)
     if kind is None:
         return ip
     log.warning("%s %s/%s: ignoring %s %s: a %s address is never proxied", obj_kind, *key,
@@ -175,10 +176,11 @@ def _usable_ip(
     return None
 
 
-def _dns_label(value: str, where: str) -> str:
-    if not _DNS_LABEL.fullmatch(value):
+def dns_label(value: Any, where: str) -> str:
+    """`value` when it is a DNS-1123 label (as Kubernetes checks names); Malformed otherwise."""
+    if not isinstance(value, str) or not _DNS_LABEL.fullmatch(value):
         raise Malformed(
-            f"{where}: {value[:80]!r} is not a DNS-1123 label (at most 63 characters:"
+            f"{where}: {str(value)[:80]!r} is not a DNS-1123 label (at most 63 characters:"
             " lowercase letters, digits and '-', starting and ending alphanumeric)"
         )
     return value
@@ -204,7 +206,7 @@ def object_key(obj: Any) -> Key:
     if not namespace:
         raise Malformed("metadata.namespace is missing")
     # The API server enforces these; manifests must too, as names reach iptables comments.
-    _dns_label(namespace, "metadata.namespace")
+    dns_label(namespace, "metadata.namespace")
     if len(name) > _MAX_SUBDOMAIN or not _DNS_SUBDOMAIN.fullmatch(name):
         raise Malformed(f"metadata.name: {name[:80]!r} is not a DNS-1123 subdomain")
     return (namespace, name)
@@ -253,16 +255,16 @@ def parse_service(
     """The service ports of a proxied Service, the names of its skipped SCTP ports, and the
     problems that do not stop it being proxied (each worth one warning)."""
     namespace, name = key
-    _dns_label(name, "metadata.name")  # a Service name is a label, not a subdomain
+    dns_label(name, "metadata.name")  # a Service name is a label, not a subdomain
     spec = _mapping(obj, "spec", "")
     proxy_protocol, problems = _proxy_protocol(_mapping(obj, "metadata", ""))
     kind = _field(spec, "type", str, "spec.", "ClusterIP")
     raw_ips = _field(spec, "clusterIPs", list, "spec.", [])
     if not raw_ips:
         raw_ips = [_field(spec, "clusterIP", str, "spec.", "")]
-    cluster_ips = tuple(_ip(ip, f"spec.clusterIPs[{i}]") for i, ip in enumerate(raw_ips))
+    cluster_ips = tuple(ip_address(ip, f"spec.clusterIPs[{i}]") for i, ip in enumerate(raw_ips))
     for i, ip in enumerate(cluster_ips):
-        if (bad := _forbidden(ip, "Service", "clusterIP")) is not None:
+        if (bad := forbidden_kind(ip, "Service", "clusterIP")) is not None:
             raise Malformed(f"spec.clusterIPs[{i}]: {ip} is a {bad} address")
     external_ips: list[str] = []
     for i, raw in enumerate(_items(spec, "externalIPs", "spec.")):
@@ -298,10 +300,10 @@ def parse_service(
         "spec.sessionAffinityConfig.clientIP.",
         DEFAULT_AFFINITY_TIMEOUT_SECONDS,
     )
-    if affinity == "ClientIP" and not 0 < timeout <= _MAX_AFFINITY_TIMEOUT:
+    if affinity == "ClientIP" and not 0 < timeout <= MAX_AFFINITY_TIMEOUT:
         raise Malformed(
             f"spec.sessionAffinityConfig.clientIP.timeoutSeconds: {timeout} is not in"
-            f" 1-{_MAX_AFFINITY_TIMEOUT}"
+            f" 1-{MAX_AFFINITY_TIMEOUT}"
         )
     internal_local = _policy(spec, "internalTrafficPolicy")
     external = kind in _EXTERNALLY_ACCESSIBLE_TYPES or bool(external_ips)
@@ -310,7 +312,7 @@ def parse_service(
     # kube-proxy serves a health check only for LoadBalancer Services with the Local policy.
     health_port = 0
     if kind == "LoadBalancer" and external_local and spec.get("healthCheckNodePort"):
-        health_port = _port(spec["healthCheckNodePort"], "spec.healthCheckNodePort")
+        health_port = port_number(spec["healthCheckNodePort"], "spec.healthCheckNodePort")
 
     infos: list[ServicePortInfo] = []
     sctp: list[ServicePortName] = []
@@ -321,17 +323,17 @@ def parse_service(
             raise Malformed(f"{where}: expected an object, got {port!r}")
         port_name = _field(port, "name", str, f"{where}.", "")
         if port_name:
-            _dns_label(port_name, f"{where}.name")
+            dns_label(port_name, f"{where}.name")
         if port_name in seen:
             raise Malformed(f"{where}.name: duplicate port name {port_name!r}")
         seen.add(port_name)
         protocol = _field(port, "protocol", str, f"{where}.", "TCP")
-        if protocol not in _PROTOCOLS:
+        if protocol not in PROTOCOLS:
             raise Malformed(f"{where}.protocol: unknown protocol {protocol!r}")
-        number = _port(port.get("port"), f"{where}.port")
+        number = port_number(port.get("port"), f"{where}.port")
         node_port = port.get("nodePort") or 0
         if node_port:
-            node_port = _port(node_port, f"{where}.nodePort")
+            node_port = port_number(node_port, f"{where}.nodePort")
         if protocol == "SCTP":
             sctp.append(ServicePortName(namespace, name, port_name))
             continue
@@ -362,7 +364,7 @@ def _proxy_protocol(meta: Mapping[str, Any]) -> tuple[int, tuple[str, ...]]:
     if not isinstance(annotations, Mapping) or ANNOTATION_PROXY_PROTOCOL not in annotations:
         return 0, ()
     value = annotations[ANNOTATION_PROXY_PROTOCOL]
-    version = _PROXY_PROTOCOL_VERSIONS.get(value) if isinstance(value, str) else None
+    version = PROXY_PROTOCOL_VERSIONS.get(value) if isinstance(value, str) else None
     if version is None:
         return 0, (
             f"annotation {ANNOTATION_PROXY_PROTOCOL}: {value!r} is not v1 or v2;"
@@ -413,13 +415,13 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
             raise Malformed(f"{where}: expected an object, got {port!r}")
         port_name = _field(port, "name", str, f"{where}.", "")
         if port_name:
-            _dns_label(port_name, f"{where}.name")
+            dns_label(port_name, f"{where}.name")
         protocol = _field(port, "protocol", str, f"{where}.", "TCP")
-        if protocol not in _PROTOCOLS:
+        if protocol not in PROTOCOLS:
             raise Malformed(f"{where}.protocol: unknown protocol {protocol!r}")
         if port.get("port") is None:
             continue  # "not restricted": kube-proxy has no port to send to either
-        number = _port(port["port"], f"{where}.port")
+        number = port_number(port["port"], f"{where}.port")
         if protocol != "SCTP":
             ports.append((port_name, Protocol(protocol), number))
 
@@ -432,7 +434,7 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
         if not addresses:
             raise Malformed(f"{where}.addresses is empty")
         # kube-proxy uses the first address only; the others are the same pod.
-        ip = _ip(addresses[0], f"{where}.addresses[0]", version)
+        ip = ip_address(addresses[0], f"{where}.addresses[0]", version)
         usable = _usable_ip(
             ip, f"{where}.addresses[0]", "EndpointSlice", key, "endpoint", loopback=loopback
         )
@@ -506,5 +508,5 @@ def parse_node(node: Mapping[str, Any]) -> NodeFacts:
         if not isinstance(address, Mapping):
             raise Malformed(f"{where}: expected an object, got {address!r}")
         if address.get("type") in {"InternalIP", "ExternalIP"}:
-            _ip(address.get("address"), f"{where}.address")
+            ip_address(address.get("address"), f"{where}.address")
     return NodeFacts(addresses.node_ips(node), eligible, zone)
