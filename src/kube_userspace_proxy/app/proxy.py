@@ -24,7 +24,7 @@ from kube_userspace_proxy.ops.health import ProxyHealth
 from kube_userspace_proxy.ops.metrics import ProxyMetrics
 from kube_userspace_proxy.ops.server import OpsServer
 from kube_userspace_proxy.ops.servicehealth import ServiceHealthServers
-from kube_userspace_proxy.portals import Portals, explain, make_backend
+from kube_userspace_proxy.portals import Portals, StaleFlows, explain, make_backend
 from kube_userspace_proxy.ports import PortAllocator
 from kube_userspace_proxy.proxier.contracts import DataPlane
 from kube_userspace_proxy.proxier.local import LocalDataPlane
@@ -114,6 +114,7 @@ class Proxy:
             self.proxier.port_stats,
             self.proxier.open_ports,
             per_service_port=config.metrics_per_service_port,
+            ip_families=_families(config.bind_address),
         )
         if self.workers is not None:
             self.metrics.follow_workers(self.workers)
@@ -135,7 +136,9 @@ class Proxy:
                 nodeport_addresses=config.nodeport_addresses,
                 guard_proxy_ports=config.guard_proxy_ports,
                 verify_period=config.verify_period,
+                flows=StaleFlows(),
             )
+            self.metrics.follow_flows(portals.flows)
             self.proxier.set_rule_sink(_CountingRules(portals, self.metrics))
             self.portals = portals
         self.state = ClusterState(

@@ -19,8 +19,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.addresses import NODEPORT_PRIMARY
 from kube_userspace_proxy.config import kubeproxy as kpc
+from kube_userspace_proxy.config import validation
 from kube_userspace_proxy.config.fields import APPLIED_PATHS, FILE_FIELDS
-from kube_userspace_proxy.errors import ConfigError
+from kube_userspace_proxy.errors import ConfigError, InvalidConfigError
 
 log = logs.get(__name__)
 
@@ -371,6 +372,9 @@ def config_from_document(doc: Mapping[str, Any], *, source: str = "config") -> d
             raise fail(section, "expected an object")
     known = kpc.strip_unknown(doc, source=source)
     mode = known.get("mode") or ""
+    refused = validation.mode_problem(str(mode), "KubeProxyConfiguration.mode")
+    if refused:
+        raise InvalidConfigError(f"{source}: {refused}")
     if mode not in {"", "userspace"}:
         log.warning(
             "%s: mode %r ignored: this proxy implements kube-proxy's userspace mode (Services "
@@ -447,16 +451,45 @@ def effective_document(config: ProxyConfig) -> dict[str, Any]:
 def build_config(
     file_values: Mapping[str, Any], flag_values: Mapping[str, Any], *, source: str = "config"
 ) -> ProxyConfig:
-    """Merge file values under flag values and validate; ConfigError names the field at fault."""
-    merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
-    try:
-        return ProxyConfig(**merged)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or "?"
-        reason = first["msg"].removeprefix("Value error, ")
-        value = merged.get(str(first["loc"][0])) if first["loc"] else None
-        raise ConfigError(f"{source}: {field}={value!r}: {reason}") from None
+    """Merge file values under flag values and validate as kube-proxy does; InvalidConfigError
+    names each field at fault as kube-proxy does (the flag, when a flag gave the value)."""
+    flags = {k: v for k, v in flag_values.items() if v is not None}
+    merged = {**file_values, **flags}
+
+    def place(name: str) -> str:
+        return validation.where(name, from_flag=name in flags)
+
+    found = validation.problems(merged, place)
+    if not found:
+        try:
+            config = ProxyConfig(**merged)
+        except ValidationError as exc:
+            for error in exc.errors():
+                name = str(error["loc"][0]) if error["loc"] else "?"
+                reason = error["msg"].removeprefix("Value error, ")
+                found.append(validation.invalid(place(name), merged.get(name), reason))
+        else:
+            parsed = {name: getattr(config, name) for name in _PERIODS}
+            shown = {  # a flag's duration arrives parsed: shown the Go way again
+                name: format_duration(merged[name])
+                if isinstance(merged[name], float)
+                else merged[name]
+                for name in _PERIODS
+                if name in merged
+            }
+            found = validation.period_problems(parsed, shown, place)
+            if not found:
+                return config
+    # A file's field says which file (a flag names itself).
+    file_named = source.startswith("--config") and any(
+        line.startswith("KubeProxyConfiguration.") for line in found
+    )
+    prefix = f"{source}: " if file_named else ""
+    # One line, as Go's aggregate of field errors prints several: [a, b].
+    raise InvalidConfigError(prefix + (found[0] if len(found) == 1 else f"[{', '.join(found)}]"))
+
+
+_PERIODS = ("udp_idle_timeout", "config_sync_period", "sync_period", "min_sync_period")
 
 
 def field_doc(name: str) -> str:
