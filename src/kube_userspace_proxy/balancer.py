@@ -162,6 +162,9 @@ class EndpointPool:
     Round robin over the usable endpoints; with ClientIP affinity a client keeps its endpoint
     while it used it within the Service's *current* timeout (idle timeout, as kube-proxy). An
     endpoint whose dial just failed is skipped for `penalty_seconds` unless all are penalised.
+
+    Each worker process holds its own copy of a pool: copy `slot` of `slots` starts its round
+    robin `slot / slots` of the way round the endpoints, so the workers' first picks spread.
     """
 
     def __init__(
@@ -172,6 +175,8 @@ class EndpointPool:
         penalty_seconds: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         max_affinity_entries: int = DEFAULT_MAX_AFFINITY_ENTRIES,
+        slot: int = 0,
+        slots: int = 1,
     ) -> None:
         self.name = name
         self.penalty_seconds = penalty_seconds
@@ -179,6 +184,12 @@ class EndpointPool:
         self._clock = clock
         self._addresses: tuple[Address, ...] = ()
         self._cursor = 0
+        self._slot = 0
+        self._slots = 1
+        # `_picks` when this pool last had no endpoints: while it is still the same, no pick
+        # has followed the order, so an update places the cursor at the slot's start rather
+        # than carrying it (kept as a count so that pick() stays as it was).
+        self._fresh_at = 0
         self._timeout: float | None = _normal_timeout(affinity_timeout)
         # ClientIP pins as two plain dicts (client -> endpoint, client -> last use) rather than
         # an object per client: hundreds of thousands of objects made every full pass of the
@@ -198,6 +209,7 @@ class EndpointPool:
         self._picks = 0
         self.proxy_protocol = 0
         """PROXY protocol version the data plane sends these endpoints first (0: none)."""
+        self.take_slot(slot, slots)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -285,7 +297,12 @@ class EndpointPool:
         tally_of = self._tally_of
         self._tally_of = {a: tally_of.get(a) or EndpointTally(a) for a in addresses}
         self._tallies = tuple(self._tally_of[a] for a in addresses)
-        self._cursor = _carry_cursor(old, self._cursor, addresses)
+        if self._picks == self._fresh_at:
+            self._cursor = self._start(len(addresses))
+        else:
+            self._cursor = _carry_cursor(old, self._cursor, addresses)
+        if not addresses:  # the order ends here: the next one starts at the slot's start
+            self._fresh_at = self._picks
         alive = set(addresses)
         if self._pinned:
             used = self._pin_used
@@ -293,6 +310,18 @@ class EndpointPool:
             self._pin_used = {c: used[c] for c in self._pinned}
         if self._penalties:
             self._penalties = {a: t for a, t in self._penalties.items() if a in alive}
+
+    def take_slot(self, slot: int, slots: int) -> None:
+        """Make this pool worker `slot`'s copy of `slots`; it starts there if it has not picked.
+
+        `slot * count // slots` for `count` endpoints: with fewer workers than endpoints the
+        starts are as far apart as they can be, so the copies' first picks differ for longer;
+        with more, every endpoint is some worker's start.
+        """
+        self._slots = max(1, slots)
+        self._slot = slot % self._slots
+        if self._picks == self._fresh_at:
+            self._cursor = self._start(len(self._addresses))
 
     def dial_failed(self, address: Address) -> None:
         """Skip `address` for `penalty_seconds` (its dial just failed)."""
@@ -362,6 +391,10 @@ class EndpointPool:
         self._cursor = first + 1 if first + 1 < count else 0
         self._record(addresses[first], ALL_PENALIZED)
         return addresses[first]
+
+    def _start(self, count: int) -> int:
+        """Where this slot's copy starts its round robin over `count` endpoints."""
+        return self._slot * count // self._slots
 
     def _penalised(self, address: Address, now: float) -> bool:
         until = self._penalties.get(address)

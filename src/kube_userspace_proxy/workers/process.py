@@ -70,10 +70,11 @@ the control process's loop for 70-235 ms of CPU)."""
 
 
 class _Pool(EndpointPool):
-    """An endpoint pool whose dial failures are also reported to the other workers."""
+    """An endpoint pool whose dial failures are also reported to the other workers; the
+    worker's copy of its slot (`EndpointPool.take_slot`)."""
 
     def __init__(self, pool_id: int, name: ServicePortName, worker: Worker) -> None:
-        super().__init__(name)
+        super().__init__(name, slot=worker.index, slots=worker.slots)
         self.pool_id = pool_id
         self.worker = worker
         self.last: tuple[tuple[Address, ...], float | None] | None = None
@@ -98,8 +99,13 @@ class Worker:
         index: int,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        *,
+        slots: int = 1,
     ) -> None:
         self.index = index
+        self.slots = slots
+        """How many workers serve (this one included): each starts its round robins at its
+        own place, so that their first picks spread over the endpoints."""
         self._reader = reader
         self._writer = writer
         self._served: dict[SocketKey, _Served] = {}
@@ -166,8 +172,11 @@ class Worker:
         protocol.send(self._writer, Pong(ping.seq, self.index))
 
     async def _on_become(self, become: Become) -> None:
-        """This spare takes the slot of a worker that died."""
+        """This spare takes the slot of a worker that died; its pools start at the slot's
+        place if they have not picked yet."""
         self.index = become.worker
+        for pool in self._pools.values():
+            pool.take_slot(self.index, self.slots)
 
     async def _on_steer(self, steer: Steer) -> None:
         self.steer(steer.routes)
@@ -492,13 +501,14 @@ async def _main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, lambda: None)
-    return await Worker(args.index, reader, writer).run()
+    return await Worker(args.index, reader, writer, slots=args.workers).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kube-userspace-proxy worker")
     parser.add_argument("--fd", type=int, required=True, help="the channel's descriptor")
     parser.add_argument("--index", type=int, required=True, help="this worker's number")
+    parser.add_argument("--workers", type=int, default=1, help="how many workers serve (default 1)")
     parser.add_argument("-v", dest="verbosity", type=int, default=0)
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop")
