@@ -115,3 +115,16 @@ def test_every_package_has_an_init_docstring() -> None:
         elif not (ast.get_docstring(ast.parse(init.read_text())) or "").strip():
             missing.append(f"{init.relative_to(ROOT)}: no docstring")
     assert missing == [], "\n".join(missing)
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    """A newcomer finds every module on the architecture page (a new one is added there)."""
+    page = ARCHITECTURE.read_text()
+    missing = [
+        str(path.relative_to(PACKAGE))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name not in ("__init__.py", "__main__.py")
+        and path.relative_to(PACKAGE).parts[0] not in ("dataplane", "portals")
+        and f"`{path.relative_to(PACKAGE)}`" not in page
+    ]
+    assert not missing, f"docs/architecture.md does not name: {missing}"
