@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.model import Address, Endpoint, ServicePortName
+from kube_userspace_proxy.model import Address, Endpoint, ServicePortName, SourcePolicy
 
 log = logs.get(__name__)
 
@@ -32,6 +32,13 @@ def usable_endpoints(
     if ready:
         return ready
     return tuple(e for e in endpoints if e.serving and e.terminating)
+
+
+def on_node(endpoints: Sequence[Endpoint], node_name: str | None) -> frozenset[Address]:
+    """The addresses of the endpoints that run on `node_name` (none when it is unknown)."""
+    if node_name is None:
+        return frozenset()
+    return frozenset(e.address for e in endpoints if e.node_name == node_name)
 
 
 RECENT_PICKS = 32
@@ -59,10 +66,11 @@ class EndpointTally:
 
     TCP: `active` open connections, `total` connections that reached it; UDP: sessions.
     `bytes_in` client -> endpoint, `bytes_out` endpoint -> client; `dial_failures` its
-    failed dials. Kept across endpoint updates while the address stays.
+    failed dials. Kept across endpoint updates while the address stays. `local`: the
+    endpoint runs on this node (its replies leave through this node).
     """
 
-    __slots__ = ("active", "address", "bytes_in", "bytes_out", "dial_failures", "total")
+    __slots__ = ("active", "address", "bytes_in", "bytes_out", "dial_failures", "local", "total")
 
     def __init__(self, address: Address) -> None:
         self.address = address
@@ -71,6 +79,7 @@ class EndpointTally:
         self.bytes_in = 0
         self.bytes_out = 0
         self.dial_failures = 0
+        self.local = False
 
     def values(self) -> tuple[int, int, int, int, int]:
         """(active, total, bytes_in, bytes_out, dial_failures)."""
@@ -122,6 +131,9 @@ class EndpointPool:
         self._picks = 0
         self.proxy_protocol = 0
         """PROXY protocol version the data plane sends these endpoints first (0: none)."""
+        self.source: SourcePolicy | None = None
+        """Transparent dialing (--preserve-source-ip) and the node's local clients; None: off."""
+        self._local: frozenset[Address] = frozenset()
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -139,6 +151,11 @@ class EndpointPool:
     def addresses(self) -> tuple[Address, ...]:
         """The usable endpoint addresses, in round-robin order."""
         return self._addresses
+
+    @property
+    def local_addresses(self) -> tuple[Address, ...]:
+        """The usable endpoints that run on this node, in round-robin order."""
+        return tuple(a for a in self._addresses if a in self._local)
 
     @property
     def affinity_timeout(self) -> float | None:
@@ -191,8 +208,15 @@ class EndpointPool:
 
     # -- changing ------------------------------------------------------------------------------
 
-    def update(self, endpoints: Sequence[Endpoint], *, affinity_timeout: float | None) -> None:
-        """Take a new endpoint list and the Service's current affinity timeout.
+    def update(
+        self,
+        endpoints: Sequence[Endpoint],
+        *,
+        affinity_timeout: float | None,
+        local: frozenset[Address] = frozenset(),
+    ) -> None:
+        """Take a new endpoint list, the Service's current affinity timeout and which of the
+        endpoints run on this node (`local`, see `on_node`).
 
         The cursor stays on the endpoint it pointed at (or the next one that survives), pins to
         surviving endpoints are kept and the new timeout applies to them at once.
@@ -202,12 +226,18 @@ class EndpointPool:
         if self._timeout is None:
             self._pinned.clear()
             self._pin_used.clear()
+        if local != self._local:
+            self._local = local
+            for tally in self._tallies:
+                tally.local = tally.address in local
         if addresses == self._addresses:
             return
         old = self._addresses
         self._addresses = addresses
         tally_of = self._tally_of
         self._tally_of = {a: tally_of.get(a) or EndpointTally(a) for a in addresses}
+        for a, tally in self._tally_of.items():
+            tally.local = a in local
         self._tallies = tuple(self._tally_of[a] for a in addresses)
         self._cursor = _carry_cursor(old, self._cursor, addresses)
         alive = set(addresses)

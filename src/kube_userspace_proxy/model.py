@@ -111,6 +111,19 @@ class Endpoint:
         return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
 
 
+@dataclass(frozen=True, slots=True)
+class SourcePolicy:
+    """Transparent dialing is on (--preserve-source-ip): the node's local-client CIDRs.
+
+    A client in one of `client_cidrs` is a pod of this node (the Node's spec.podCIDRs, or the
+    cluster CIDR when kube-proxy's detectLocalMode says ClusterCIDR); its replies come back
+    through this node from any endpoint. An endpoint on this node (`local` in the pool) keeps
+    every client's address. Pools carry None while the mode is off.
+    """
+
+    client_cidrs: tuple[str, ...] = ()
+
+
 _EMPTY: Mapping[ServicePortName, object] = MappingProxyType({})
 
 
