@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,17 @@ def on_node(endpoints: Sequence[Endpoint], node_name: str | None) -> frozenset[A
     if node_name is None:
         return frozenset()
     return frozenset(e.address for e in endpoints if e.node_name == node_name)
+
+
+Transparency = tuple[tuple[str, ...] | None, tuple[Address, ...]]
+"""A pool's transparent-dialing inputs as plain tuples (the worker table is marshalled):
+(the source policy's local-client CIDRs, None while the mode is off; the local endpoints)."""
+
+
+@functools.lru_cache(maxsize=8)
+def source_policy(client_cidrs: tuple[str, ...] | None) -> SourcePolicy | None:
+    """The SourcePolicy of a `Transparency`'s CIDRs (one object per value in a process)."""
+    return None if client_cidrs is None else SourcePolicy(client_cidrs)
 
 
 RECENT_PICKS = 32
@@ -156,6 +168,12 @@ class EndpointPool:
     def local_addresses(self) -> tuple[Address, ...]:
         """The usable endpoints that run on this node, in round-robin order."""
         return tuple(a for a in self._addresses if a in self._local)
+
+    @property
+    def transparency(self) -> Transparency:
+        """The source policy's CIDRs (None: off) and the local endpoints, for the workers."""
+        source = self.source
+        return (None if source is None else source.client_cidrs, self.local_addresses)
 
     @property
     def affinity_timeout(self) -> float | None:

@@ -189,6 +189,9 @@ _RUN_FLAGS = (
     _Flag("--state-dir", "state_dir", "str", "path"),
     _Flag("--after-handover", "after_handover", "choice", "", ("exit", "wait")),
     _Flag("--loopback-endpoints", "loopback_endpoints", "choice", "", ("auto", "allow", "deny")),
+    _Flag("--preserve-source-ip", "preserve_source_ip", "bool", "true|false"),
+    _Flag("--transparent-mark", "transparent_mark", "hex", "one bit, e.g. 0x1000"),
+    _Flag("--transparent-table", "transparent_table", "int", "table number"),
 )
 
 
@@ -196,6 +199,8 @@ def _default_text(flag: _Flag) -> str:
     value = getattr(DEFAULTS, flag.field)
     if flag.kind == "duration":
         return format_duration(value)
+    if flag.kind == "hex":
+        return hex(value)
     if isinstance(value, tuple):
         return ",".join(value) or "none"
     return str(value) if value not in ("", None) else "none"
@@ -207,6 +212,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         "duration": _duration,
         "float": float,
         "int": int,
+        "hex": lambda text: int(text, 0),  # 0x1000 or 4096
         "csv": _csv,
         "choice": str,
         "bool": _bool,

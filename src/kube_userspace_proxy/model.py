@@ -92,6 +92,19 @@ class ServicePortInfo:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class SourcePolicy:
+    """Transparent dialing is on (--preserve-source-ip): the node's local-client CIDRs.
+
+    A client in one of `client_cidrs` is a pod of this node (the Node's spec.podCIDRs, or the
+    cluster CIDR when kube-proxy's detectLocalMode says ClusterCIDR); its replies come back
+    through this node from any endpoint. An endpoint on this node (`local` in the pool) keeps
+    every client's address. Pools carry None while the mode is off.
+    """
+
+    client_cidrs: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Endpoint:
     """One backend address of a service port, with its EndpointSlice conditions."""
@@ -109,19 +122,6 @@ class Endpoint:
 
     def __str__(self) -> str:
         return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
-
-
-@dataclass(frozen=True, slots=True)
-class SourcePolicy:
-    """Transparent dialing is on (--preserve-source-ip): the node's local-client CIDRs.
-
-    A client in one of `client_cidrs` is a pod of this node (the Node's spec.podCIDRs, or the
-    cluster CIDR when kube-proxy's detectLocalMode says ClusterCIDR); its replies come back
-    through this node from any endpoint. An endpoint on this node (`local` in the pool) keeps
-    every client's address. Pools carry None while the mode is off.
-    """
-
-    client_cidrs: tuple[str, ...] = ()
 
 
 _EMPTY: Mapping[ServicePortName, object] = MappingProxyType({})
@@ -151,6 +151,11 @@ class Snapshot:
     """Service changes folded into this snapshot since the previous one."""
     endpoint_changes: int = 0
     """EndpointSlice changes folded into this snapshot since the previous one."""
+    pod_cidrs: tuple[str, ...] = ()
+    """The own Node's spec.podCIDRs (empty: unknown or none)."""
+    source: SourcePolicy | None = None
+    """Transparent dialing (--preserve-source-ip) with the node's local-client CIDRs; None
+    while the mode is off. Set by the app from the configuration and `pod_cidrs`."""
     changed: frozenset[ServicePortName] | None = None
     """None: the snapshot is complete. Else it is partial: the service ports added, changed
     or removed since the previous snapshot, and `services`/`endpoints` hold only those of

@@ -264,6 +264,8 @@ class Proxy:
     def _snapshot(self, snapshot: Snapshot) -> Snapshot:
         if self.config.node_ips:  # the flag wins over the Node object's addresses
             snapshot = replace(snapshot, node_ips=self.config.node_ips)
+        if self.config.preserve_source_ip:
+            snapshot = replace(snapshot, source=self.config.source_policy(snapshot.pod_cidrs))
         self.node_ips = snapshot.node_ips
         self.health.set_node_eligible(self.state.node_eligible)
         return snapshot

@@ -7,6 +7,7 @@ Malformed naming the first one that is wrong; what to do about it is the caller'
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 from collections import Counter
@@ -459,3 +460,18 @@ def parse_node(node: Mapping[str, Any]) -> tuple[tuple[str, ...], bool]:
         if address.get("type") in {"InternalIP", "ExternalIP"}:
             _ip(address.get("address"), f"{where}.address")
     return addresses.node_ips(node), eligible
+
+
+def node_pod_cidrs(node: Mapping[str, Any]) -> tuple[str, ...]:
+    """The Node's spec.podCIDRs (spec.podCIDR when only that is set); malformed ones left out."""
+    spec = node.get("spec")
+    if not isinstance(spec, Mapping):
+        return ()
+    listed = spec.get("podCIDRs") or ([spec["podCIDR"]] if spec.get("podCIDR") else [])
+    cidrs = []
+    for cidr in listed if isinstance(listed, list) else []:
+        try:
+            cidrs.append(str(ipaddress.ip_network(str(cidr), strict=False)))
+        except ValueError:
+            log.debug("Node: bad podCIDR %r", cidr)
+    return tuple(cidrs)

@@ -19,6 +19,7 @@ from kube_userspace_proxy.cluster.objects import (
     Slice,
     describe,
     ignore_reason,
+    node_pod_cidrs,
     object_key,
     parse_node,
     parse_service,
@@ -71,6 +72,7 @@ class ClusterState:
         self._trigger_times: list[float] = []
         self._node_ips: tuple[str, ...] = ()
         self._node_eligible = True
+        self._pod_cidrs: tuple[str, ...] = ()
         # Snapshot parts kept between snapshots; only services marked dirty are rebuilt.
         self._dirty: set[Key] = set()
         self._built: dict[Key, tuple[ServicePortName, ...]] = {}
@@ -167,17 +169,20 @@ class ClusterState:
         """Take the own Node object (None: unknown or gone): its addresses and eligibility."""
         ips: tuple[str, ...] = ()
         eligible = True
+        pod_cidrs: tuple[str, ...] = ()
         if node is not None:
             try:
                 ips, eligible = parse_node(node)
             except Exception as exc:
                 log.warning("skipping Node %s: %s", _name_of(node), exc)
                 return
-        if (ips, eligible) == (self._node_ips, self._node_eligible):
+            pod_cidrs = node_pod_cidrs(node)
+        if (ips, eligible, pod_cidrs) == (self._node_ips, self._node_eligible, self._pod_cidrs):
             return
         if not eligible and self._node_eligible:
             log.info("node %s is being deleted: reporting not eligible", _name_of(node))
         self._node_ips, self._node_eligible = ips, eligible
+        self._pod_cidrs = pod_cidrs
         self.on_change()
 
     # -- output ---------------------------------------------------------------------------
@@ -211,6 +216,7 @@ class ClusterState:
             endpoints=MappingProxyType(dict(self._snap_endpoints)),
             node_name=self.node_name,
             node_ips=self._node_ips,
+            pod_cidrs=self._pod_cidrs,
         )
 
     def _rebuild_dirty(self) -> None:
@@ -234,6 +240,7 @@ class ClusterState:
             endpoints=MappingProxyType(endpoints),
             node_name=self.node_name,
             node_ips=self._node_ips,
+            pod_cidrs=self._pod_cidrs,
             trigger_times=times,
             service_changes=changes[0],
             endpoint_changes=changes[1],

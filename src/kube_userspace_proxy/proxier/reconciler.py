@@ -18,7 +18,13 @@ from typing import Any
 from typing import Protocol as TypingProtocol
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.balancer import PINS_SHOWN, BalancerView, EndpointPool, usable_endpoints
+from kube_userspace_proxy.balancer import (
+    PINS_SHOWN,
+    BalancerView,
+    EndpointPool,
+    on_node,
+    usable_endpoints,
+)
 from kube_userspace_proxy.dataplane import ConnStats, Picker, TcpListener, UdpListener
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
@@ -32,6 +38,7 @@ from kube_userspace_proxy.model import (
     ServicePortName,
     Snapshot,
     SocketKey,
+    SourcePolicy,
 )
 from kube_userspace_proxy.ports import DescriptorBudget, PortAllocator
 
@@ -256,6 +263,7 @@ class Proxier:
         self._adopted_node_ports: dict[SocketKey, socket.socket] = {}
         self._adopted: set[int] = set()  # their descriptors, until a listener takes them
         self.node_name: str | None = None
+        self.source: SourcePolicy | None = None
 
     def prefer_ports(self, ports: dict[ClaimKey, int]) -> None:
         """Before the first sync: serve these service ports on these proxy ports if free
@@ -407,8 +415,10 @@ class Proxier:
         return int(claimed.getsockname()[1])
 
     async def _reconcile(self, snapshot: Snapshot, *, full: bool) -> None:
-        same_node = snapshot.node_name == self.node_name
+        # A new source policy (--preserve-source-ip) reaches every pool, as a new node does.
+        same_node = snapshot.node_name == self.node_name and snapshot.source == self.source
         self.node_name = snapshot.node_name
+        self.source = snapshot.source
         self._node_ips = snapshot.node_ips
         self._budget.start()
         if self._claims is None:
@@ -696,7 +706,8 @@ class Proxier:
                 else info.internal_traffic_local
             )
             usable = usable_endpoints(endpoints, local_only=local, node_name=snapshot.node_name)
-            pool.update(usable, affinity_timeout=timeout)
+            pool.source = snapshot.source  # --preserve-source-ip
+            pool.update(usable, affinity_timeout=timeout, local=on_node(usable, snapshot.node_name))
             pool.proxy_protocol = info.proxy_protocol
         for listener in served.every_listener():
             listener.refresh()

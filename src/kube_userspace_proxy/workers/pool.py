@@ -667,6 +667,7 @@ class WorkerPool:
                     picker.addresses,
                     picker.affinity_timeout,
                     picker.proxy_protocol,
+                    picker.transparency,  # --preserve-source-ip
                 )
             listeners.append((port.key, port.name, pool_id, port.v6only))
         return listeners, pools

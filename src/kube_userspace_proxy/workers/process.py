@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kube_userspace_proxy import collector, fdpass, logs
-from kube_userspace_proxy.balancer import PINS_SHOWN, EndpointPool
+from kube_userspace_proxy.balancer import PINS_SHOWN, EndpointPool, Transparency, source_policy
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
 from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.dataplane.tcp import is_listening
@@ -39,7 +39,7 @@ REPORT_PART = 250
 """Service ports per part of a "collected" report: a part is built here, and read and taken in
 by the control process, in one turn of a loop (at 10,000 ports a report in one piece held
 the control process's loop for 70-235 ms of CPU)."""
-PoolEntry = tuple[tuple[str, str, str, str], tuple[Address, ...], float | None, int]
+PoolEntry = tuple[tuple[str, str, str, str], tuple[Address, ...], float | None, int, Transparency]
 """A pool as the control process sends it: (name parts, addresses, affinity timeout, PROXY)."""
 
 
@@ -50,7 +50,7 @@ class _Pool(EndpointPool):
         super().__init__(name)
         self.pool_id = pool_id
         self.worker = worker
-        self.last: tuple[tuple[Address, ...], float | None] | None = None
+        self.last: tuple[tuple[Address, ...], float | None, Transparency] | None = None
 
     def dial_failed(self, address: Address) -> None:
         super().dial_failed(address)
@@ -191,16 +191,19 @@ class Worker:
         self.tcp_keepalive = float(settings.get("tcp_keepalive", self.tcp_keepalive))
         self._routes.update(routes)
         changed: set[int] = set()
-        for pool_id, (port_name, addresses, timeout, proxy_protocol) in pools.items():
+        for pool_id, (port_name, addresses, timeout, proxy_protocol, tp) in pools.items():
             pool = self._pools.get(pool_id)
             if pool is None:
                 spn = ServicePortName(*port_name[:3], Protocol(port_name[3]))
                 pool = self._pools[pool_id] = _Pool(pool_id, spn, self)
             pool.proxy_protocol = proxy_protocol
-            if pool.last != (addresses, timeout):
-                pool.last = (addresses, timeout)
+            pool.source = source_policy(tp[0])
+            if pool.last != (addresses, timeout, tp):
+                pool.last = (addresses, timeout, tp)
                 pool.update(
-                    [Endpoint(ip, port) for ip, port in addresses], affinity_timeout=timeout
+                    [Endpoint(ip, port) for ip, port in addresses],
+                    affinity_timeout=timeout,
+                    local=frozenset(tp[1]),
                 )
                 changed.add(pool_id)
         return changed
