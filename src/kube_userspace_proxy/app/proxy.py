@@ -26,13 +26,13 @@ from kube_userspace_proxy.cluster.sources.manifests import ManifestSource
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.config import kubeproxy as kpc
 from kube_userspace_proxy.config.settings import ProxyConfig, effective_document
-from kube_userspace_proxy.errors import ProxyError
+from kube_userspace_proxy.errors import PrerequisiteError, ProxyError
 from kube_userspace_proxy.model import ClaimKey, ProxiedPort, Snapshot
 from kube_userspace_proxy.ops.health import ProxyHealth, watch_lag
 from kube_userspace_proxy.ops.metrics import ProxyMetrics, SourceCounters
 from kube_userspace_proxy.ops.server import OpsServer, start_ops
 from kube_userspace_proxy.ops.servicehealth import NoLocalEndpoints, ServiceHealthServers
-from kube_userspace_proxy.portals import Portals, explain, make_backend
+from kube_userspace_proxy.portals import Portals, check_transparent, explain, make_backend
 from kube_userspace_proxy.ports import PortAllocator
 from kube_userspace_proxy.proxier.reconciler import (
     DataPlane,
@@ -162,6 +162,10 @@ class Proxy:
             self.metrics.follow_workers(self.workers)
         self.service_health = ServiceHealthServers(self.health, self._node_port_addresses)
         backend_kind = config.iptables_backend
+        if config.preserve_source_ip:  # before anything is installed: all of it, or none
+            check_transparent(config.transparent_mark, config.transparent_table)
+            if backend_kind == "none":
+                raise PrerequisiteError("--preserve-source-ip needs iptables rules, not none")
         if backend_kind == "auto" and os.geteuid() != 0:
             log.warning(
                 "not running as root: serving proxy ports only, no iptables rules "
@@ -178,6 +182,9 @@ class Proxy:
                 nodeport_addresses=config.nodeport_addresses,
                 guard_proxy_ports=config.guard_proxy_ports,
                 verify_period=config.verify_period,
+                transparent=(config.transparent_mark, config.transparent_table)
+                if config.preserve_source_ip
+                else None,
             )
             self.proxier.set_rule_sink(_CountingRules(portals, self.metrics))
             self.portals = portals
