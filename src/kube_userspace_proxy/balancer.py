@@ -169,6 +169,15 @@ class EndpointPool:
         """The usable endpoints that run on this node, in round-robin order."""
         return tuple(a for a in self._addresses if a in self._local)
 
+    def source_choices(self) -> dict[Address, str]:
+        """Per usable endpoint, the source address its dials get under --preserve-source-ip:
+        `client` (it runs on this node: every client keeps its address) or `client-if-pod`
+        (this node's pods keep theirs, other clients dial from the node). {} while off."""
+        if self.source is None:
+            return {}
+        local = self._local
+        return {a: "client" if a in local else "client-if-pod" for a in self._addresses}
+
     @property
     def transparency(self) -> Transparency:
         """The source policy's CIDRs (None: off) and the local endpoints, for the workers."""

@@ -157,6 +157,7 @@ class Proxy:
             self.proxier.port_stats,
             self.proxier.open_ports,
             per_service_port=config.metrics_per_service_port,
+            transparent=config.preserve_source_ip,
         )
         if self.workers is not None:
             self.metrics.follow_workers(self.workers)

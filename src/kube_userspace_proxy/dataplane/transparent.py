@@ -6,7 +6,8 @@ CIDRs: replies from anywhere are routed to this node), or the endpoint runs on t
 (its replies leave through this node whatever the client). Anywhere else (an external client
 and a remote endpoint) the reply would go straight to the client and the spoofed connect
 would time out: the node dials from its own address, as kube-proxy masquerades there.
-Loopback clients (the node itself) keep a node address: a pod cannot answer 127.0.0.1.
+Clients on the node itself (loopback, or any of the node's addresses) keep that address and are
+dialed as today: a pod cannot answer 127.0.0.1, and the node's own address needs no spoofing.
 
 The socket gets IP_TRANSPARENT (IPV6_TRANSPARENT), which lets it bind a foreign address, and
 is bound to (client ip, 0): the kernel picks the source port. Reusing the client's own port
@@ -79,13 +80,25 @@ class SourceChooser:
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped  # a v4 client of a dual-stack listener
         verdict = None
-        if not (ip.is_loopback or ip.is_unspecified):
+        if not (ip.is_loopback or ip.is_unspecified or _is_local(str(ip))):
             verdict = (str(ip), any(ip in n for n in self._networks))
         known[client_ip] = verdict
         return verdict
 
 
 _UNKNOWN: tuple[str, bool] = ("?", False)
+
+
+def _is_local(ip: str) -> bool:
+    """True when `ip` is one of this host's addresses (a hostNetwork client: the node itself,
+    which keeps its own address). Asked once per client address: a bind without
+    IP_TRANSPARENT succeeds only on a local address."""
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((ip, 0))
+        except OSError:
+            return False
+    return True
 
 
 def count_source(stats: ConnStats, reason: int) -> None:

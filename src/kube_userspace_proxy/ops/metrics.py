@@ -58,8 +58,31 @@ FIELDS = (
     "udp_dropped_no_descriptors",
     "no_descriptors",
     "udp_sessions_evicted",
+    "source_node",
+    "source_client_pod",
+    "source_local_endpoint",
 )
 """The ConnStats fields metrics reads, in the order of a captured row."""
+
+SOURCE_DIALS = PREFIX + "source_address_dials_total"
+_SOURCE_DIALS_HELP = (
+    "--preserve-source-ip: dials (TCP connections, UDP sessions) by the source address they"
+    " got: reason client-pod (the client's address: a pod of this node) and local-endpoint (the"
+    " client's address: the endpoint runs on this node), node (the node's address: an external"
+    " client and a remote endpoint, or the node itself). Only while the mode is on."
+)
+_SOURCE_REASONS = (
+    ("client-pod", FIELDS.index("source_client_pod")),
+    ("local-endpoint", FIELDS.index("source_local_endpoint")),
+    ("node", FIELDS.index("source_node")),
+)
+
+
+def source_dials(captured_rows: Iterable[Row]) -> list[tuple[str, int]]:
+    """(reason, dials) summed over every service port."""
+    rows = list(captured_rows)
+    return [(reason, sum(row[index] for row in rows)) for reason, index in _SOURCE_REASONS]
+
 
 Row = tuple[int, ...]
 _read_row: Callable[[ConnStats], Row] = operator.attrgetter(*FIELDS)
@@ -246,9 +269,16 @@ class _PortCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         captured = self._owner.capture()
+        dials = source_dials(captured.rows.values()) if self._owner.transparent else []
         if not self._owner.per_service_port:
             captured = Capture({}, captured.proxy_ports)
-        return self._families(captured)
+        families = self._families(captured)
+        if dials:
+            family = CounterMetricFamily(SOURCE_DIALS, _SOURCE_DIALS_HELP, labels=["reason"])
+            for reason, count in dials:
+                family.add_metric([reason], count)
+            families.append(family)
+        return families
 
     @staticmethod
     def _families(captured: Capture) -> list[Metric]:
@@ -378,8 +408,11 @@ class ProxyMetrics:
         clock: Callable[[], float] = time.time,
         process_metrics: bool = True,
         per_service_port: bool = True,
+        transparent: bool = False,
     ) -> None:
         self.per_service_port = per_service_port
+        self.transparent = transparent
+        """--preserve-source-ip is on: SOURCE_DIALS is exported."""
         """False: the per-service-port families are left out (`--metrics-per-service-port`)."""
         self._port_stats = port_stats
         self._proxy_ports = proxy_ports
@@ -591,6 +624,15 @@ class ProxyMetrics:
 
     def render_ports(self, captured: Capture) -> Iterator[bytes]:
         """The per-port families, one chunk each, so a caller on the loop can yield between."""
+        if self.transparent:
+            name = SOURCE_DIALS.removesuffix("_total")
+            yield (
+                f"# HELP {name} {_SOURCE_DIALS_HELP}\n# TYPE {name} counter\n"
+                + "".join(
+                    f'{SOURCE_DIALS}{{reason="{r}"}} {n}\n'
+                    for r, n in source_dials(captured.rows.values())
+                )
+            ).encode()
         if not self.per_service_port:
             captured = Capture({}, captured.proxy_ports)
         names = tuple(captured.rows)

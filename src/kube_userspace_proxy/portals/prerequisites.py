@@ -14,7 +14,12 @@ import socket
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import PortalsError, PrerequisiteError
 from kube_userspace_proxy.portals.backends import kernel_has_match
-from kube_userspace_proxy.portals.returnpath import RULE_PRIORITY, netlink, our_table_routes
+from kube_userspace_proxy.portals.returnpath import (
+    RULE_PRIORITY,
+    netlink,
+    off_loop,
+    our_table_routes,
+)
 
 log = logs.get(__name__)
 
@@ -55,10 +60,7 @@ def check_transparent(mark: int, table: int) -> None:
     finally:
         sock.close()
     try:
-        with netlink() as ipr:
-            for family in (socket.AF_INET, socket.AF_INET6):
-                ipr.get_rules(family=family)
-            foreign = our_table_routes(ipr, table, foreign=True)
+        foreign = off_loop(lambda: _policy_routing(table))
     except (OSError, PortalsError) as exc:
         raise PrerequisiteError(
             f"--preserve-source-ip needs policy routing (ip rule, CONFIG_IP_MULTIPLE_TABLES): {exc}"
@@ -75,6 +77,15 @@ def check_transparent(mark: int, table: int) -> None:
         table,
         _read("/proc/sys/net/ipv4/conf/all/rp_filter"),
     )
+
+
+def _policy_routing(table: int) -> list[str]:
+    """Dump the rules of both families (fails without policy routing); `table`'s foreign
+    routes."""
+    with netlink() as ipr:
+        for family in (socket.AF_INET, socket.AF_INET6):
+            ipr.get_rules(family=family)
+        return our_table_routes(ipr, table, foreign=True)
 
 
 def _read(path: str) -> str:

@@ -20,11 +20,13 @@ and the `local default dev lo` route of the tables those rules name.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.addresses import Family
@@ -32,6 +34,7 @@ from kube_userspace_proxy.errors import PortalsError
 from kube_userspace_proxy.portals.restore import binary
 
 log = logs.get(__name__)
+_T = TypeVar("_T")
 
 CHAIN = "KUBE-PORTALS-TPROXY"
 MANGLE = "mangle"
@@ -73,6 +76,17 @@ def removal_text(jumps: int) -> str:
     lines = [f"*{MANGLE}"] + [f"-D PREROUTING -j {CHAIN}"] * jumps
     lines += [f"-F {CHAIN}", f"-X {CHAIN}", "COMMIT"]
     return "\n".join(lines) + "\n"
+
+
+def off_loop(call: Callable[[], _T]) -> _T:
+    """`call()`, in a thread of its own when this thread runs an event loop: pyroute2's
+    synchronous IPRoute drives an asyncio loop of its own, which cannot run inside another."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return call()
+    with ThreadPoolExecutor(1, thread_name_prefix="netlink") as pool:
+        return pool.submit(call).result()
 
 
 @contextmanager
@@ -236,6 +250,13 @@ class ReturnPath:
             )
         return fixed
 
+    def _ensure_all_routing(self) -> list[str]:
+        fixed: list[str] = []
+        with netlink() as ipr:
+            for family in _FAMILIES:
+                fixed += self._ensure_routing(ipr, family)
+        return fixed
+
     # -- the whole ------------------------------------------------------------------------------
 
     def ensure(self) -> list[str]:
@@ -243,9 +264,7 @@ class ReturnPath:
         put back after the first install (counted in `repairs`). Raises PortalsError."""
         fixed: list[str] = []
         try:
-            with netlink() as ipr:
-                for family in _FAMILIES:
-                    fixed += self._ensure_routing(ipr, family)
+            fixed += off_loop(self._ensure_all_routing)
         except OSError as exc:
             raise PortalsError(f"cannot install the transparent return path: {exc}") from exc
         for family in _FAMILIES:
@@ -286,30 +305,37 @@ def remove_all(modes: tuple[str, ...] = ("legacy", "nft")) -> int:
                 path._run(family, "restore", ["--noflush", "-w"], removal_text(jumps))
                 removed += len(ours) + jumps
     try:
-        with netlink() as ipr:
-            for family in _FAMILIES:
-                for rule in path._our_rules(ipr, family):
-                    table = path._rule_table(rule)
-                    for route in path._local_routes(ipr, family, table):
-                        ipr.route(
-                            "del",
-                            family=_AF[family],
-                            dst=_DEFAULT[family],
-                            type="local",
-                            scope=route["scope"],
-                            oif=_attr(route, "RTA_OIF"),
-                            table=table,
-                        )
-                        removed += 1
-                    ipr.rule(
+        removed += off_loop(lambda: _remove_routing(path))
+    except OSError as exc:
+        raise PortalsError(f"cannot remove the transparent return path: {exc}") from exc
+    return removed
+
+
+def _remove_routing(path: ReturnPath) -> int:
+    """Delete our `ip rule`s and the local default route of the tables they name."""
+    removed = 0
+    with netlink() as ipr:
+        for family in _FAMILIES:
+            for rule in path._our_rules(ipr, family):
+                table = path._rule_table(rule)
+                for route in path._local_routes(ipr, family, table):
+                    ipr.route(
                         "del",
                         family=_AF[family],
-                        priority=RULE_PRIORITY,
-                        fwmark=_attr(rule, "FRA_FWMARK"),
-                        fwmask=_attr(rule, "FRA_FWMASK"),
+                        dst=_DEFAULT[family],
+                        type="local",
+                        scope=route["scope"],
+                        oif=_attr(route, "RTA_OIF"),
                         table=table,
                     )
                     removed += 1
-    except OSError as exc:
-        raise PortalsError(f"cannot remove the transparent return path: {exc}") from exc
+                ipr.rule(
+                    "del",
+                    family=_AF[family],
+                    priority=RULE_PRIORITY,
+                    fwmark=_attr(rule, "FRA_FWMARK"),
+                    fwmask=_attr(rule, "FRA_FWMASK"),
+                    table=table,
+                )
+                removed += 1
     return removed

@@ -922,6 +922,11 @@ class Proxier:
                     for path, pool in served.pools.items()
                 },
                 "knownEndpoints": served.all_endpoints,
+                "sourceAddress": {  # --preserve-source-ip: the dial's source, per endpoint
+                    str(path): {_show(a): why for a, why in pool.source_choices().items()}
+                    for path, pool in served.pools.items()
+                    if pool.source is not None
+                },
                 "balancer": {
                     str(path): _balancer_json(self._dataplane.balancer_view(pool))
                     for path, pool in served.pools.items()

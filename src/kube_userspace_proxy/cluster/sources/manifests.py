@@ -1,7 +1,8 @@
 """ManifestSource: Services and EndpointSlices from YAML/JSON files, reloaded when they change.
 
-The same objects `kubectl apply -f` takes (multi-document YAML, `kind: List`); other kinds are
-ignored. A file that stops parsing keeps its last good objects until it parses again; nothing in
+The same objects `kubectl apply -f` takes (multi-document YAML, `kind: List`); a Node named as
+this node gives its addresses and podCIDRs, as the API source's Node watch does; other kinds
+are ignored. A file that stops parsing keeps its last good objects until it parses again; nothing in
 a file (nor an unexpected error in a poll) ends the polling.
 """
 
@@ -14,7 +15,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -36,9 +37,10 @@ Signature = tuple[int, int, int, int]  # (mtime_ns, size, inode, device)
 class _Loaded:
     signature: Signature
     objects: tuple[tuple[Kind, dict[str, Any]], ...]
+    nodes: tuple[dict[str, Any], ...] = ()
 
 
-def read_manifest(path: Path) -> list[tuple[Kind, dict[str, Any]]]:
+def read_manifest(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """The Services and EndpointSlices of one file; raises ManifestError naming file:line."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -64,13 +66,13 @@ def read_manifest(path: Path) -> list[tuple[Kind, dict[str, Any]]]:
     return _objects(documents, path)
 
 
-def _objects(documents: Sequence[Any], path: Path) -> list[tuple[Kind, dict[str, Any]]]:
+def _objects(documents: Sequence[Any], path: Path) -> list[tuple[str, dict[str, Any]]]:
     """The Services and EndpointSlices in documents, `kind: List` items flattened in order.
 
     Iterative, and each List is walked once: YAML aliases can make a List contain itself,
     or share one List many times over (exponential work); both are a ManifestError.
     """
-    found: list[tuple[Kind, dict[str, Any]]] = []
+    found: list[tuple[str, dict[str, Any]]] = []
     walked: set[int] = set()  # id() of every List (and items array) walked so far
     stack: list[Iterator[Any]] = [iter(documents)]
     while stack:
@@ -93,6 +95,8 @@ def _objects(documents: Sequence[Any], path: Path) -> list[tuple[Kind, dict[str,
                 raise ManifestError(f"{path}: kind: List nested over {MAX_LIST_DEPTH} deep")
             walked.update(ids)
             stack.append(iter(items if isinstance(items, list) else ()))
+        elif kind == "Node":
+            found.append(("Node", document))
         elif kind in KINDS:
             metadata = document.get("metadata")
             # As kubectl: an object without a namespace goes to "default".
@@ -136,6 +140,7 @@ class ManifestSource:
         self._first = True
         self._generation = 0  # bumped whenever the loaded objects change ...
         self._fed = 0  # ... and the generation the state last took
+        self._had_node = False  # a Node of this node was fed: its removal is fed too
         self.polls = 0  # polls done; reloads: polls that found changed objects
         self.reloads = 0
         self.errors = 0
@@ -258,7 +263,11 @@ class ManifestSource:
             if path in self._failed:
                 log.info("manifest %s parses again", path)
                 del self._failed[path]
-            self._loaded[path] = _Loaded(signature, objects)
+            self._loaded[path] = _Loaded(
+                signature,
+                tuple((cast(Kind, k), o) for k, o in objects if k != "Node"),
+                tuple(o[1] for o in objects if o[0] == "Node"),
+            )
             self._generation += 1
             changed = True
         self._first = False
@@ -303,3 +312,14 @@ class ManifestSource:
                 by_kind[kind][key] = obj
         for kind in KINDS:
             self.state.replace(kind, list(by_kind[kind].values()))
+        mine = [
+            node
+            for path in self._order
+            if (loaded := self._loaded.get(path)) is not None
+            for node in loaded.nodes
+            if isinstance(node.get("metadata"), dict)
+            and node["metadata"].get("name") == self.state.node_name
+        ]
+        if mine or self._had_node:
+            self.state.set_node(mine[-1] if mine else None)
+            self._had_node = bool(mine)
