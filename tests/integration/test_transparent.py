@@ -56,7 +56,11 @@ PEER_BACKEND = textwrap.dedent(
         while True:
             c, _ = s.accept()
             try:
-                c.settimeout(2); c.recv(1024); c.sendall(f"{name} {c.getpeername()[0]}".encode())
+                c.settimeout(2); data = c.recv(1024)
+                said = ""  # a PROXY protocol v1 header: the client it names
+                if data.startswith(b"PROXY "):
+                    said = " PROXY:" + data.split(b" ")[2].decode()
+                c.sendall(f"{name} {c.getpeername()[0]}{said}".encode())
             except OSError:
                 pass
             finally:
@@ -164,6 +168,7 @@ def _service(
     protocol: str = "TCP",
     node_port: int = 0,
     local: bool = False,
+    annotations: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     spec: dict[str, Any] = {
         "type": "NodePort" if node_port else "ClusterIP",
@@ -175,7 +180,12 @@ def _service(
         spec["ports"][0]["nodePort"] = node_port
         spec["externalTrafficPolicy"] = "Local" if local else "Cluster"
     return [
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name}, "spec": spec},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": name, "annotations": annotations or {}},
+            "spec": spec,
+        },
         {
             "apiVersion": "discovery.k8s.io/v1",
             "kind": "EndpointSlice",
@@ -201,16 +211,23 @@ OBJECTS = [
     *_service("both-udp", "10.96.0.11", 53, BOTH, protocol="UDP"),
     *_service("local-np", "10.96.0.12", 80, BOTH, node_port=30080, local=True),
     *_service("remote-np", "10.96.0.13", 80, [_endpoint(BPOD, "node-b")], node_port=30081),
+    *_service(
+        "pp",
+        "10.96.0.14",
+        80,
+        BOTH,
+        annotations={"kube-userspace-proxy.io/proxy-protocol": "v1"},
+    ),
 ]
 
 
 @contextlib.contextmanager
 def proxy_in(
-    nodes: TwoNodes, tmp: Path, backend: str, *extra: str
+    nodes: TwoNodes, tmp: Path, backend: str, *extra: str, log_name: str = "proxy.log"
 ) -> Iterator[subprocess.Popen[bytes]]:
     manifest = tmp / "services.yaml"
     write_manifest(manifest, OBJECTS)
-    log = tmp / "proxy.log"
+    log = tmp / log_name
     proc = nodes.a.popen(
         [
             str(PROXY),
@@ -297,6 +314,11 @@ def test_backends_see_the_client_where_the_reply_comes_back(
         assert {name for name, _ in answers} == {"bpod"}, answers
         assert {seen for _, seen in answers} <= NODE_A_ADDRESSES, answers
 
+        # A Service with the PROXY protocol annotation still gets its header, first.
+        answers = ask(nodes.cpod, "tcp", "10.96.0.14", 80, 4)
+        assert {name for name, _ in answers} == {"apod", "bpod"}, answers
+        assert {seen for _, seen in answers} == {f"{CPOD} PROXY:{CPOD}"}, answers
+
         # A hostNetwork client: works, and the endpoints see a node address.
         answers = ask(nodes.a, "tcp", "10.96.0.10", 80, 6)
         assert {name for name, _ in answers} == {"apod", "bpod"}, answers
@@ -325,7 +347,7 @@ def test_backends_see_the_client_where_the_reply_comes_back(
         for labels, value in dials.items():
             reason = labels.split('reason="', 1)[1].split('"', 1)[0]
             by_reason[reason] = by_reason.get(reason, 0) + value
-        assert by_reason.get("client-pod", 0) >= 17, dials  # 8 TCP, 8 UDP, the probe
+        assert by_reason.get("client-pod", 0) >= 21, dials  # 8 TCP, 8 UDP, 4 PROXY, the probe
         assert by_reason.get("local-endpoint", 0) == 4, dials  # ext -> local-np
         assert by_reason.get("node", 0) == 4 + 6, dials  # ext -> remote-np, the node itself
 
@@ -384,3 +406,63 @@ def test_a_missing_prerequisite_is_named_and_nothing_is_installed(
     assert len([line for line in done.stderr.splitlines() if "error" in line.lower()]) <= 1
     assert "KUBE-PORTALS" not in nodes.a.run("iptables-nft-save")
     assert _rule(nodes).strip() == ""
+
+
+# Asks 10.96.0.10:80 over and over from a pod until the stop file appears (at most 60 s,
+# 20,000 requests); prints the counts of each kind of answer as JSON.
+LOAD = textwrap.dedent(
+    """
+    import collections, json, os, socket, sys, time
+    stop, counts = sys.argv[1], collections.Counter()
+    deadline = time.monotonic() + 60
+    print("started", flush=True)
+    while not os.path.exists(stop) and time.monotonic() < deadline and sum(counts.values()) < 20000:
+        try:
+            s = socket.create_connection(("10.96.0.10", 80), timeout=3)
+            s.sendall(b"hello"); data = s.recv(1024).decode(); s.close()
+            counts[data.split(" ", 1)[1] if " " in data else "empty"] += 1
+        except OSError as exc:
+            counts[type(exc).__name__] += 1
+        time.sleep(0.005)
+    print(json.dumps(counts), flush=True)
+    """
+)
+
+
+def test_a_handover_keeps_serving_from_the_clients_address(nodes: TwoNodes, tmp_path: Path) -> None:
+    flags = ("--preserve-source-ip", "--shutdown-grace", "10s")
+    stop_file = tmp_path / "stop"
+    with proxy_in(nodes, tmp_path, "restore", *flags, log_name="old.log") as old:
+        _serving(nodes, old, tmp_path / "old.log")
+        wait_for(
+            lambda: "a new proxy process can take over" in (tmp_path / "old.log").read_text(),
+            "the old proxy ready to hand over",
+            timeout=60,
+        )
+        load = subprocess.Popen(
+            ["ip", "netns", "exec", nodes.cpod.name, sys.executable, "-u", "-c", LOAD,
+             str(stop_file)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert load.stdout is not None and load.stdout.readline().strip() == "started"
+            with proxy_in(nodes, tmp_path, "restore", *flags, log_name="new.log") as new:
+                wait_for(
+                    lambda: "handed over" in (tmp_path / "old.log").read_text(),
+                    "the handover",
+                    timeout=60,
+                )
+                assert old.wait(60) == 0, (tmp_path / "old.log").read_text()[-3000:]
+                assert "taking over from the running proxy" in (tmp_path / "new.log").read_text()
+                time.sleep(0.5)  # the load runs against the new process for a while
+                stop_file.touch()
+                out, _ = load.communicate(timeout=90)
+                assert new.poll() is None
+        finally:
+            stop_file.touch()
+            if load.poll() is None:
+                load.kill()
+                load.wait()
+    counts = json.loads(out.strip().splitlines()[-1])
+    assert set(counts) == {CPOD}, counts  # every answer, before and after, saw the pod
+    assert counts[CPOD] > 20, counts

@@ -361,6 +361,8 @@ class Proxy:
         snapshot, ports = saved
         if self.config.node_ips:
             snapshot = replace(snapshot, node_ips=self.config.node_ips)
+        if self.config.preserve_source_ip:  # dial as the last run did, from the first connection
+            snapshot = replace(snapshot, source=self.config.source_policy(snapshot.pod_cidrs))
         log.info(
             "serving %d service port(s) from %s until the first complete list",
             len(snapshot.services),
@@ -436,6 +438,7 @@ class Proxy:
                 and saved.services == snapshot.services
                 and saved.endpoints == snapshot.endpoints
                 and saved.node_ips == snapshot.node_ips
+                and saved.pod_cidrs == snapshot.pod_cidrs
             ):
                 continue
             self._saved = snapshot

@@ -139,6 +139,7 @@ class Encoder:
                 "version": VERSION,
                 "nodeName": snapshot.node_name,
                 "nodeIPs": list(snapshot.node_ips),
+                "podCIDRs": list(snapshot.pod_cidrs),
             }
         )
         pieces = [f'{head[:-1]},"servicePorts":['.encode()]
@@ -255,6 +256,7 @@ def decode(data: bytes, *, node_name: str | None) -> tuple[Snapshot, Ports]:
             services[key] = _info(key, entry["info"])
             endpoints[key] = tuple(_endpoint(e) for e in entry["endpoints"])
         node_ips = tuple(str(ip) for ip in document["nodeIPs"])
+        pod_cidrs = tuple(str(cidr) for cidr in document.get("podCIDRs", ()))
         ports: Ports = {}
         for name, protocol, path, port in document["proxyPorts"]:
             if not isinstance(port, int) or not 0 < port < 65536:
@@ -267,6 +269,7 @@ def decode(data: bytes, *, node_name: str | None) -> tuple[Snapshot, Ports]:
         endpoints=MappingProxyType(endpoints),
         node_name=node_name,
         node_ips=node_ips,
+        pod_cidrs=pod_cidrs,
     )
     return snapshot, ports
 
