@@ -57,6 +57,11 @@ PEER_BACKEND = textwrap.dedent(
             c, _ = s.accept()
             try:
                 c.settimeout(2); data = c.recv(1024)
+                while b"hello" not in data:  # a PROXY header may come in a segment of its own
+                    more = c.recv(1024)
+                    if not more:
+                        break
+                    data += more
                 said = ""  # a PROXY protocol v1 header: the client it names
                 if data.startswith(b"PROXY "):
                     said = " PROXY:" + data.split(b" ")[2].decode()

@@ -26,7 +26,7 @@ from kube_userspace_proxy import logs
 from kube_userspace_proxy.dataplane import proxyproto
 from kube_userspace_proxy.dataplane import splice as splicing
 from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, Tally, notices
-from kube_userspace_proxy.dataplane.transparent import chooser_for, connect_from, count_source
+from kube_userspace_proxy.dataplane.transparent import chooser_for, dial_from
 
 log = logs.get(__name__)
 
@@ -336,9 +336,7 @@ class Connection(asyncio.Protocol):
             return
         loop = shared.loop
         settings = self.settings
-        source = picker.source
-        chooser = chooser_for(source) if source is not None else None
-        reason = 0
+        chooser = chooser_for(picker.source) if picker.source is not None else None
         for timeout in settings.dial_timeouts:
             b = BackendSide(self)
             # call_later + cancel costs less per connection than asyncio.timeout().
@@ -346,12 +344,8 @@ class Connection(asyncio.Protocol):
             try:
                 if chooser is None:
                     await loop.create_connection(b, address[0], address[1])
-                else:
-                    reason, bind_ip = chooser.choose(client_ip, address[0], ep.local)
-                    if reason:
-                        await connect_from(loop, b, address, bind_ip)
-                    else:
-                        await loop.create_connection(b, address[0], address[1])
+                else:  # --preserve-source-ip
+                    await dial_from(loop, b, address, chooser, client_ip, ep.local, stats)
             except (Exception, asyncio.CancelledError) as exc:
                 if isinstance(exc, asyncio.CancelledError):
                     if not self.timed_out:
@@ -387,8 +381,6 @@ class Connection(asyncio.Protocol):
                 self.ep = ep
                 ep.active += 1
                 ep.total += 1
-                if chooser is not None:
-                    count_source(stats, reason)
                 if settings.keepalive:
                     shared.keep_alive(self)
                 self.backend_connected()

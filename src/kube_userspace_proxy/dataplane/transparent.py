@@ -173,6 +173,25 @@ async def connect_from(
         raise
 
 
+async def dial_from(  # noqa: PLR0917 - one dial, field by field
+    loop: asyncio.AbstractEventLoop,
+    protocol: Callable[[], asyncio.Protocol],
+    address: tuple[str, int],
+    chooser: SourceChooser,
+    client_ip: str,
+    endpoint_local: bool,
+    stats: ConnStats,
+) -> None:
+    """Dial `address` from the address `chooser` picks for `client_ip` (the client's, or the
+    node's as usual); the dial is counted in `stats` by that choice once it succeeded."""
+    reason, bind_ip = chooser.choose(client_ip, address[0], endpoint_local)
+    if reason:
+        await connect_from(loop, protocol, address, bind_ip)
+    else:
+        await loop.create_connection(protocol, address[0], address[1])
+    count_source(stats, reason)
+
+
 def _writable(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)

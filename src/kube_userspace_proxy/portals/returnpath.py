@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.addresses import Family
 from kube_userspace_proxy.errors import PortalsError
-from kube_userspace_proxy.portals.restore import binary
+from kube_userspace_proxy.portals.restore import RestoreBackend, binary, legacy_tables
 
 log = logs.get(__name__)
 _T = TypeVar("_T")
@@ -287,6 +287,13 @@ class ReturnPath:
         return remove_all((self.mode,))
 
 
+def _tables(mode: str, family: Family) -> frozenset[str]:
+    """The tables that exist in `mode` (listing them creates none)."""
+    if mode == "legacy":
+        return legacy_tables(family)
+    return RestoreBackend(mode).tables(family)
+
+
 def remove_all(modes: tuple[str, ...] = ("legacy", "nft")) -> int:
     """Remove every piece of the return path (any mark, any table) from both families."""
     removed = 0
@@ -297,6 +304,8 @@ def remove_all(modes: tuple[str, ...] = ("legacy", "nft")) -> int:
             if binary(family, mode, "restore") is None:
                 continue
             try:
+                if MANGLE not in _tables(mode, family):  # reading would create it
+                    continue
                 ours, jumps, exists = path._mangle(family)
             except PortalsError as exc:
                 log.debug("%s IPv%d mangle: %s", mode, family, exc)
