@@ -6,6 +6,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.model import Address, Endpoint, ServicePortName, SourcePolicy
@@ -71,6 +72,34 @@ class BalancerView:
     """Per process (worker index, None for this process): its last picks, oldest first."""
     penalized: list[tuple[Address, float]]
     """Endpoints skipped after a failed dial: (endpoint, seconds left)."""
+
+
+class PoolView(Protocol):
+    """A pool as a process that never picks reads it (the worker pool describing it to its
+    workers): which service port, its usable endpoints, how it balances. `EndpointPool` fits."""
+
+    @property
+    def name(self) -> ServicePortName: ...
+
+    @property
+    def addresses(self) -> tuple[Address, ...]:
+        """The usable endpoint addresses, in round-robin order."""
+        ...
+
+    @property
+    def affinity_timeout(self) -> float | None:
+        """The ClientIP affinity timeout in seconds; None without affinity."""
+        ...
+
+    @property
+    def proxy_protocol(self) -> int:
+        """PROXY protocol version sent to the endpoints (1, 2; 0: none)."""
+        ...
+
+    @property
+    def transparency(self) -> Transparency:
+        """The transparent-dialing inputs the workers need (--preserve-source-ip)."""
+        ...
 
 
 class EndpointTally:

@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import yaml
 
-from kube_userspace_proxy import __version__, demo, logs
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import __version__, app, demo, logs
+from kube_userspace_proxy.config.fields import (
+    KUBE_PROXY_FLAGS_APPLIED,
+    RUN_FIELDS,
+    VERBOSITY,
+    Field,
+)
 from kube_userspace_proxy.config.kubeproxy import (
     DEFAULT_HEALTHZ_PORT,
     DEFAULT_METRICS_PORT,
@@ -64,16 +68,6 @@ def _bool(text: str) -> bool:
     if value in {"false", "f", "0"}:
         return False
     raise argparse.ArgumentTypeError(f"invalid boolean {text!r} (expected true or false)")
-
-
-@dataclass(frozen=True)
-class _Flag:
-    flag: str
-    field: str
-    kind: str  # str | duration | float | int | csv | choice | bool
-    unit: str = ""
-    choices: tuple[str, ...] = ()
-    aliases: tuple[str, ...] = ()
 
 
 # Every other flag of kube-proxy 1.25 to 1.32 (bool: pflag boolean; value: takes one value).
@@ -156,47 +150,8 @@ def _ignored_dest(flag: str) -> str:
     return "ignored_" + flag[2:].replace("-", "_")
 
 
-_RUN_FLAGS = (
-    _Flag("--bind-address", "bind_address", "str", "IP"),
-    _Flag("--proxy-port-range", "proxy_port_range", "str", "range"),
-    _Flag("--udp-timeout", "udp_idle_timeout", "duration"),
-    _Flag("--tcp-keepalive", "tcp_keepalive", "duration"),
-    _Flag("--iptables-sync-period", "sync_period", "duration"),
-    _Flag("--iptables-min-sync-period", "min_sync_period", "duration"),
-    _Flag("--iptables-verify-period", "verify_period", "duration"),
-    _Flag("--config-sync-period", "config_sync_period", "duration"),
-    _Flag("--healthz-bind-address", "healthz_bind_address", "str", "host:port"),
-    _Flag("--metrics-bind-address", "metrics_bind_address", "str", "host:port"),
-    _Flag("--hostname-override", "hostname_override", "str", "name"),
-    _Flag("--kubeconfig", "kubeconfig", "str", "path"),
-    _Flag("--master", "master", "str", "URL"),
-    _Flag("--kube-api-qps", "kube_api_qps", "float", "requests/s"),
-    _Flag("--kube-api-burst", "kube_api_burst", "int", "requests"),
-    _Flag("--nodeport-addresses", "nodeport_addresses", "csv", "CIDR list"),
-    _Flag("--cluster-cidr", "cluster_cidr", "str", "CIDR"),
-    _Flag("--service-proxy-name", "service_proxy_name", "str", "name"),
-    _Flag(
-        "--iptables-backend", "iptables_backend", "choice", "", ("auto", "iptc", "restore", "none")
-    ),
-    _Flag("--node-ip", "node_ips", "csv", "IP list"),
-    _Flag("--event-loop", "event_loop", "choice", "", ("uvloop", "asyncio")),
-    _Flag("--log-format", "log_format", "choice", "", ("text", "json"), ("--logging-format",)),
-    _Flag("--oom-score-adj", "oom_score_adj", "int", "-1000..1000"),
-    _Flag("--metrics-per-service-port", "metrics_per_service_port", "bool", "true|false"),
-    _Flag("--shutdown-grace", "shutdown_grace", "duration"),
-    _Flag("--workers", "workers", "str", "count or auto"),
-    _Flag("--guard-proxy-ports", "guard_proxy_ports", "bool", "true|false"),
-    _Flag("--state-dir", "state_dir", "str", "path"),
-    _Flag("--after-handover", "after_handover", "choice", "", ("exit", "wait")),
-    _Flag("--loopback-endpoints", "loopback_endpoints", "choice", "", ("auto", "allow", "deny")),
-    _Flag("--preserve-source-ip", "preserve_source_ip", "bool", "true|false"),
-    _Flag("--transparent-mark", "transparent_mark", "hex", "one bit, e.g. 0x1000"),
-    _Flag("--transparent-table", "transparent_table", "int", "table number"),
-)
-
-
-def _default_text(flag: _Flag) -> str:
-    value = getattr(DEFAULTS, flag.field)
+def _default_text(flag: Field) -> str:
+    value = getattr(DEFAULTS, flag.name)
     if flag.kind == "duration":
         return format_duration(value)
     if flag.kind == "hex":
@@ -217,7 +172,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         "choice": str,
         "bool": _bool,
     }
-    for flag in _RUN_FLAGS:
+    for flag in RUN_FIELDS:
         unit = "duration, e.g. 250ms or 1m30s" if flag.kind == "duration" else flag.unit
         if flag.kind == "csv":
             unit += ", comma-separated or repeated"
@@ -225,7 +180,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             flag.flag,
             *flag.aliases,
-            dest=flag.field,
+            dest=flag.name,
             # List flags take commas and may be repeated: `--node-ip A --node-ip B`.
             action="extend" if flag.kind == "csv" else "store",
             # Booleans as pflag has them: `--flag` alone means true, `--flag=false` false.
@@ -234,8 +189,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
             type=types[flag.kind],
             choices=flag.choices or None,
             default=None,
-            metavar=None if flag.choices else flag.field.upper(),
-            help=f"{field_doc(flag.field)} ({extra}default: {_default_text(flag)})",
+            metavar=None if flag.choices else flag.name.upper(),
+            help=f"{field_doc(flag.name)} ({extra}default: {_default_text(flag)})",
         )
     parser.add_argument(
         "--manifests",
@@ -370,7 +325,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def _flags_epilog() -> str:
     """`--help`'s list of kube-proxy flags: applied here, or accepted and ignored."""
-    applied = [*KUBE_PROXY_APPLIED, "--proxy-mode (userspace)"]
+    applied = [*KUBE_PROXY_FLAGS_APPLIED, "--proxy-mode (userspace)"]
     listed = [f for f in IGNORED_FLAGS if f not in _UNLISTED]
     return (
         "kube-proxy's command line works unchanged (`kube-userspace-proxy --config=FILE "
@@ -392,34 +347,6 @@ def _wrap(words: list[str]) -> str:
     return "\n".join([*lines, line])
 
 
-# kube-proxy's flags that this proxy applies (the rest of _RUN_FLAGS are its own).
-KUBE_PROXY_APPLIED = (
-    "--bind-address",
-    "--cleanup",
-    "--cluster-cidr",
-    "--config",
-    "--config-sync-period",
-    "--healthz-bind-address",
-    "--healthz-port",
-    "--hostname-override",
-    "--iptables-min-sync-period",
-    "--iptables-sync-period",
-    "--kube-api-burst",
-    "--kube-api-qps",
-    "--kubeconfig",
-    "--logging-format",
-    "--master",
-    "--metrics-bind-address",
-    "--metrics-port",
-    "--nodeport-addresses",
-    "--oom-score-adj",
-    "--proxy-port-range",
-    "--udp-timeout",
-    "--v",
-    "--write-config-to",
-)
-
-
 def _warn_ignored(args: argparse.Namespace) -> None:
     for flag in IGNORED_FLAGS:
         if getattr(args, _ignored_dest(flag), None) is not None:
@@ -437,8 +364,8 @@ def parse_config(args: argparse.Namespace) -> ProxyConfig:
     """Defaults < --config file < flags; raises ConfigError naming the field."""
     _warn_ignored(args)
     file_values = read_config_file(args.config) if args.config else {}
-    flags = {flag.field: getattr(args, flag.field) for flag in _RUN_FLAGS}
-    flags["verbosity"] = args.verbosity
+    flags = {flag.name: getattr(args, flag.name) for flag in RUN_FIELDS}
+    flags[VERBOSITY.name] = args.verbosity
     # A bare IP gets the default port, as kube-proxy's AppendPortIfNeeded does.
     for key, port, deprecated in (
         ("healthz_bind_address", DEFAULT_HEALTHZ_PORT, args.healthz_port),

@@ -1,6 +1,6 @@
-"""Restarts that refuse nothing (README "Restarts and upgrades without refusals"): a new proxy
-process takes every socket over from the running one, in network namespaces with real
-iptables, while a client keeps opening connections through a ClusterIP.
+"""Restarts that refuse nothing (docs/operations.md, "Restarts and upgrades without
+refusals"): a new proxy process takes every socket over from the running one, in network
+namespaces with real iptables, while a client keeps opening connections through a ClusterIP.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def test_five_restarts_refuse_and_reset_nothing(
         if result["lost"]:
             for ns in (topology.node, topology.client):
                 print(ns.name, ns.run("nstat", "-az", "Udp*", check=False))
-        print(f"workers={workers}: {counts}")  # shown with -s: the figures in the README
+        print(f"workers={workers}: {counts}")  # shown with -s: the figures in docs/operations.md
         assert counts["refused"] == 0, result
         assert counts["reset"] == 0, result
         assert counts["other"] == 0, result

@@ -19,13 +19,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import app
 from kube_userspace_proxy.balancer import PINS_SHOWN
 from kube_userspace_proxy.dataplane.steering import worker_of
 from kube_userspace_proxy.model import Protocol, ServicePortName
 from kube_userspace_proxy.ops.metrics import sample_value
 from kube_userspace_proxy.workers import pool as workerpool
+from kube_userspace_proxy.workers import publisher
 from kube_userspace_proxy.workers.process import REPORT_PART
+from kube_userspace_proxy.workers.protocol import Collected
 from tests.loopback.proxyrun import (
     LOOPBACK_RUN_FLAGS,
     endpoint_slice,
@@ -449,13 +451,13 @@ async def test_reports_come_in_parts_and_are_summed_whole(
         assert pool is not None
         await wait_for(lambda: pool.alive == WORKERS and _port(proxy) != 0, seconds=60)
         parts: list[tuple[int, int]] = []  # (worker, request) of each part the control took
-        take_part = pool._take_part
+        take_part = pool._counters.take_part
 
-        def counting(worker: Any, message: tuple[Any, ...]) -> None:
-            parts.append((message[2], message[1]))
-            take_part(worker, message)
+        def counting(worker: Any, part: Collected) -> None:
+            parts.append((part.worker, part.seq))
+            take_part(worker, part)
 
-        pool._take_part = counting  # type: ignore[method-assign]
+        pool._counters.take_part = counting  # type: ignore[method-assign]
         for client in CLIENTS:
             await ask_from(client, _port(proxy))
         assert proxy.ops is not None
@@ -600,7 +602,7 @@ async def test_a_big_delta_goes_to_the_workers_in_parts_each_port_joined_in_orde
     backends: list[tuple[str, int, asyncio.Server]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(workerpool, "PART", 3)  # 8 ports: parts of 3, 3 and 2
+    monkeypatch.setattr(publisher, "PART", 3)  # 8 ports: parts of 3, 3 and 2
     ports = [p for _, p, _ in backends]
     objects: list[Any] = []
     for i in range(8):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kube_userspace_proxy import cli
+from kube_userspace_proxy.config.fields import RUN_FIELDS
 
 
 def test_help_lists_every_run_option_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
@@ -12,11 +13,11 @@ def test_help_lists_every_run_option_with_its_default(capsys: pytest.CaptureFixt
         cli.main(["run", "--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for flag in cli._RUN_FLAGS:
+    for flag in RUN_FIELDS:
         assert flag.flag in text
     assert "--udp-timeout" in text and "default: 250ms" in text
     assert "default: 30s" in text and "default: 0.0.0.0:10256" in text
-    assert text.count("default:") >= len(cli._RUN_FLAGS)
+    assert text.count("default:") >= len(RUN_FIELDS)
 
 
 @pytest.mark.parametrize(

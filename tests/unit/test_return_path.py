@@ -117,6 +117,6 @@ async def test_a_manifest_may_hold_this_nodes_node(tmp_path: Path) -> None:
     ]
     manifest.write_text(yaml.safe_dump_all(nodes))
     state = ClusterState(node_name="n1")
-    source = ManifestSource([str(manifest)], state)
+    source = ManifestSource([str(manifest)], state, node_name="n1")
     await source.load_once()
     assert state.view().pod_cidrs == ("10.244.1.0/24",)

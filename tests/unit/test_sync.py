@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 
 from kube_userspace_proxy.app.runner import BoundedFrequencyRunner
@@ -35,8 +34,11 @@ async def test_a_storm_of_requests_is_bounded_by_min_interval() -> None:
         elapsed = runs[-1] - started
         # One sync per min_interval on average, plus the burst of two saved up since start.
         assert len(runs) - 1 <= 2 + elapsed / 0.2 + 1
-        gaps = [b - a for a, b in itertools.pairwise(runs[2:])]
-        assert all(gap >= 0.19 for gap in gaps), gaps  # once the burst is spent
+        # Once the burst is spent, syncs follow the token schedule: the k-th one after it comes
+        # no sooner than k min_intervals later. (A single gap may be shorter on a busy machine:
+        # a sync that ran late does not push the schedule back.)
+        spent = runs[2:]
+        assert all(t - spent[0] >= k * 0.19 for k, t in enumerate(spent)), spent
     finally:
         task.cancel()
 
@@ -83,8 +85,7 @@ async def test_with_a_burst_of_one_every_sync_waits_min_interval() -> None:
         await _until(lambda: len(runs) >= 2)
         await asyncio.sleep(0.5)
         assert 2 <= len(runs) <= 3
-        gaps = [b - a for a, b in itertools.pairwise(runs)]
-        assert all(gap >= 0.19 for gap in gaps)
+        assert all(t - runs[0] >= k * 0.19 for k, t in enumerate(runs)), runs
     finally:
         task.cancel()
 

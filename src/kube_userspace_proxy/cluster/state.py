@@ -7,9 +7,10 @@ malformed one is skipped with one log line naming it, and never stops the rest.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, TypeVar
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.cluster.objects import (
@@ -26,12 +27,19 @@ from kube_userspace_proxy.cluster.objects import (
     parse_slice,
     trigger_time,
 )
-from kube_userspace_proxy.model import Endpoint, ServicePortInfo, ServicePortName, Snapshot
+from kube_userspace_proxy.cluster.sink import Event, Kind, StateSink
+from kube_userspace_proxy.model import (
+    Change,
+    Desired,
+    Endpoint,
+    ServicePortInfo,
+    ServicePortName,
+    Snapshot,
+)
 
 log = logs.get(__name__)
 
-Kind = Literal["Service", "EndpointSlice"]
-Event = Literal["ADDED", "MODIFIED", "DELETED"]
+D = TypeVar("D", bound=Desired)
 
 
 # -- the state ------------------------------------------------------------------------------
@@ -191,10 +199,10 @@ class ClusterState:
         """The complete state now; resets the trigger times and pending change counts."""
         self._rebuild_dirty()
         self._touched.clear()
-        return self._take(dict(self._snap_services), dict(self._snap_endpoints), None)
+        return self._take(Snapshot, dict(self._snap_services), dict(self._snap_endpoints))
 
-    def changes(self) -> Snapshot:
-        """What changed since the last snapshot, as a partial Snapshot (`Snapshot.changed`).
+    def changes(self) -> Change:
+        """What changed since the last snapshot or changes (`Change.changed`).
 
         Costs time in proportion to the change: only the Services changed since are rebuilt,
         and only their service ports are copied. Resets what `snapshot()` resets.
@@ -204,9 +212,9 @@ class ClusterState:
         services = self._snap_services
         endpoints = self._snap_endpoints
         return self._take(
+            functools.partial(Change, changed=frozenset(touched)),
             {n: services[n] for n in touched if n in services},
             {n: endpoints[n] for n in touched if n in endpoints},
-            frozenset(touched),
         )
 
     def view(self) -> Snapshot:
@@ -226,16 +234,16 @@ class ClusterState:
 
     def _take(
         self,
+        make: Callable[..., D],
         services: dict[ServicePortName, ServicePortInfo],
         endpoints: dict[ServicePortName, tuple[Endpoint, ...]],
-        changed: frozenset[ServicePortName] | None,
-    ) -> Snapshot:
+    ) -> D:
         times = tuple(self._trigger_times)
         self._trigger_times.clear()
         changes = (self.pending_service_changes, self.pending_endpoint_changes)
         self.pending_service_changes = 0
         self.pending_endpoint_changes = 0
-        return Snapshot(
+        return make(
             services=MappingProxyType(services),
             endpoints=MappingProxyType(endpoints),
             node_name=self.node_name,
@@ -244,7 +252,6 @@ class ClusterState:
             trigger_times=times,
             service_changes=changes[0],
             endpoint_changes=changes[1],
-            changed=changed,
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -425,3 +432,6 @@ def _name_of(node: Mapping[str, Any] | None) -> str:
     if isinstance(node, Mapping) and isinstance(node.get("metadata"), Mapping):
         return str(node["metadata"].get("name") or "?")
     return "?"
+
+
+_sink: StateSink = ClusterState()  # conformance: ClusterState is a StateSink

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.config import kubeproxy as kpc
+from kube_userspace_proxy.config.fields import APPLIED_PATHS, FILE_FIELDS
 from kube_userspace_proxy.errors import ConfigError
 from kube_userspace_proxy.model import SourcePolicy
 
@@ -374,26 +375,6 @@ def format_port_range(port_range: tuple[int, int] | None) -> str:
     return "0-0" if port_range is None else f"{port_range[0]}-{port_range[1]}"
 
 
-# KubeProxyConfiguration fields applied here: dotted path in the document -> ProxyConfig field.
-_FILE_FIELDS: dict[str, str] = {
-    "bindAddress": "bind_address",
-    "healthzBindAddress": "healthz_bind_address",
-    "metricsBindAddress": "metrics_bind_address",
-    "portRange": "proxy_port_range",
-    "udpIdleTimeout": "udp_idle_timeout",
-    "configSyncPeriod": "config_sync_period",
-    "hostnameOverride": "hostname_override",
-    "nodePortAddresses": "nodeport_addresses",
-    "clusterCIDR": "cluster_cidr",
-    "oomScoreAdj": "oom_score_adj",
-    "iptables.syncPeriod": "sync_period",
-    "iptables.minSyncPeriod": "min_sync_period",
-    "clientConnection.kubeconfig": "kubeconfig",
-    "clientConnection.qps": "kube_api_qps",
-    "clientConnection.burst": "kube_api_burst",
-    "logging.verbosity": "verbosity",
-    "logging.format": "log_format",
-}
 API_VERSION = kpc.API_VERSION
 
 
@@ -447,12 +428,13 @@ def config_from_document(doc: Mapping[str, Any], *, source: str = "config") -> d
             mode,
             mode,
         )
-    ignored = kpc.not_applicable(known)
+    ignored = kpc.not_applicable(known, APPLIED_PATHS)
     if ignored:
         log.info("%s: not applicable in userspace mode, ignored: %s", source, ", ".join(ignored))
     effective = kpc.set_defaults(known)
     out: dict[str, Any] = {}
-    for path, name in _FILE_FIELDS.items():
+    for path, field in FILE_FIELDS.items():
+        name = field.name
         value = kpc.get(effective, path)
         if value is None or value == "":
             continue
@@ -493,31 +475,17 @@ def expand_nodeport_addresses(values: Sequence[str]) -> tuple[str, ...]:
 def effective_document(config: ProxyConfig) -> dict[str, Any]:
     """The KubeProxyConfiguration (camelCase, v1alpha1) in force: defaults < file < flags."""
     doc = copy.deepcopy(config.kube_proxy_config) or kpc.set_defaults({})
-    values: dict[str, Any] = {
-        "bind_address": config.bind_address,
-        "healthz_bind_address": config.healthz_bind_address,
-        "metrics_bind_address": config.metrics_bind_address,
-        "proxy_port_range": config.proxy_port_range,
-        "udp_idle_timeout": format_duration(config.udp_idle_timeout),
-        "config_sync_period": format_duration(config.config_sync_period),
-        "hostname_override": config.hostname_override,
-        "nodeport_addresses": list(config.nodeport_addresses) or None,
-        "cluster_cidr": config.cluster_cidr,
-        "oom_score_adj": config.oom_score_adj,
-        "sync_period": format_duration(config.sync_period),
-        "min_sync_period": format_duration(config.min_sync_period),
-        "kubeconfig": config.kubeconfig,
-        "kube_api_qps": config.kube_api_qps,
-        "kube_api_burst": config.kube_api_burst,
-        "verbosity": config.verbosity,
-        "log_format": config.log_format,
-    }
-    for path, name in _FILE_FIELDS.items():
+    for path, field in FILE_FIELDS.items():
+        value = getattr(config, field.name)
+        if field.kind == "duration":
+            value = format_duration(value)
+        elif field.kind == "csv":
+            value = list(value) or None
         *parents, leaf = path.split(".")
         node = doc
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = values[name]
+        node[leaf] = value
     doc["mode"] = "userspace"
     return doc
 

@@ -3,5 +3,7 @@
 - `server`: the aiohttp health and metrics sites.
 - `health`: kube-proxy's `/healthz` and `/livez` semantics; `servicehealth`: healthCheckNodePort.
 - `httpguard`: connection caps and header timeouts for those sites.
-- `metrics`: the Prometheus metrics; `debugui`: the live `/debug/ui` page (`static/`).
+- `metrics`: kube-proxy's metric names and `ProxyMetrics`, what the proxy reports through;
+  `portmetrics`: the per-service-port families, read from the data plane at scrape time.
+- `debugui`: the live `/debug/ui` page (`static/`).
 """

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import ConfigError, PortInUseError
-from kube_userspace_proxy.ops.debugui import DebugUi, RuleSource
+from kube_userspace_proxy.ops.debugui import DebugUi, PlannedRules, RuleSource
 from kube_userspace_proxy.ops.health import ProxyHealth
 from kube_userspace_proxy.ops.httpguard import GuardedSite
 from kube_userspace_proxy.ops.metrics import CONTENT_TYPE, ProxyMetrics
@@ -222,7 +222,9 @@ def _metrics_app(
     debug_state: StateSource,
     configz: Callable[[], Mapping[str, Any]],
     collect: Collector,
+    *,
     rules: RuleSource | None = None,
+    planned: PlannedRules | None = None,
 ) -> web.Application:
     async def scrape(_: web.Request) -> web.Response:
         await collect()
@@ -256,7 +258,7 @@ def _metrics_app(
     app.router.add_get("/healthz", ping)
     app.router.add_get("/configz", config)
     app.router.add_get("/debug/state", state)
-    DebugUi(lambda limit: _as_dict(debug_state(), limit), collect, rules).add_routes(app)
+    DebugUi(lambda limit: _as_dict(debug_state(), limit), collect, rules, planned).add_routes(app)
     return app
 
 
@@ -270,6 +272,7 @@ async def start_ops(
     configz: Callable[[], Mapping[str, Any]],
     collect: Collector = _nothing_to_collect,
     rules: RuleSource | None = None,
+    planned: PlannedRules | None = None,
     adopted: Mapping[tuple[str, int], socket.socket] | None = None,
 ) -> OpsServer:
     """Bind and start both sites; raises PortInUseError or ConfigError before serving anything.
@@ -306,7 +309,7 @@ async def start_ops(
             server.healthz_address = await server.serve(app, next(pending))
             log.info("Serving /healthz and /livez on %s", _show(server.healthz_address))
         if metrics_at is not None:
-            app = _metrics_app(metrics, debug_state, configz, collect, rules)
+            app = _metrics_app(metrics, debug_state, configz, collect, rules=rules, planned=planned)
             server.metrics_address = await server.serve(app, next(pending))
             log.info("Serving /metrics and /proxyMode on %s", _show(server.metrics_address))
     except BaseException:

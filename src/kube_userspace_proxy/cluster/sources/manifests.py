@@ -20,7 +20,7 @@ from typing import Any, cast
 import yaml
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.cluster.state import ClusterState, Kind
+from kube_userspace_proxy.cluster.sink import Kind, StateSink
 from kube_userspace_proxy.errors import ManifestError
 
 log = logs.get(__name__)
@@ -118,7 +118,7 @@ def _signature(path: Path) -> Signature | None:
 
 
 class ManifestSource:
-    """Feeds a ClusterState from manifest files or directories (`*.yaml`, `*.yml`, `*.json`).
+    """Feeds a StateSink from manifest files or directories (`*.yaml`, `*.yml`, `*.json`).
 
     `run()` polls the files every `poll_interval` seconds (a stat per file) and replaces both
     kinds in the state when any file changed.
@@ -127,12 +127,15 @@ class ManifestSource:
     def __init__(
         self,
         paths: Sequence[str | Path],
-        state: ClusterState,
+        state: StateSink,
         *,
         poll_interval: float = 0.5,
+        node_name: str | None = None,
     ) -> None:
         self.paths = tuple(Path(p) for p in paths)
         self.state = state
+        self.node_name = node_name
+        """The Node whose object (if a file has it) is fed to the state; None: none is."""
         self.poll_interval = poll_interval
         self._loaded: dict[Path, _Loaded] = {}
         self._order: list[Path] = []  # files in command-line / directory order: later ones win
@@ -317,8 +320,9 @@ class ManifestSource:
             for path in self._order
             if (loaded := self._loaded.get(path)) is not None
             for node in loaded.nodes
-            if isinstance(node.get("metadata"), dict)
-            and node["metadata"].get("name") == self.state.node_name
+            if self.node_name is not None
+            and isinstance(node.get("metadata"), dict)
+            and node["metadata"].get("name") == self.node_name
         ]
         if mine or self._had_node:
             self.state.set_node(mine[-1] if mine else None)
