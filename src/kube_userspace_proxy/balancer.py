@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -20,17 +21,68 @@ PINS_SHOWN = 20
 """ClientIP pins /debug/state lists per service port (besides how many there are)."""
 
 
+class Topology(enum.StrEnum):
+    """Which endpoints a Cluster-policy path uses, as kube-proxy's topology modes name them."""
+
+    ALL = ""
+    """No usable hints: every endpoint."""
+    SAME_NODE = "PreferSameNode"
+    """Those whose `hints.forNodes` name this node."""
+    SAME_ZONE = "PreferSameZone"
+    """Those whose `hints.forZones` name this node's zone (trafficDistribution PreferClose)."""
+
+
+def topology_mode(endpoints: Sequence[Endpoint], node_name: str | None, zone: str) -> Topology:
+    """The hints a Cluster-policy path follows: node hints when every ready endpoint has some
+    and one names this node, else zone hints likewise for this node's zone, else none."""
+    any_ready = False
+    all_node_hints = all_zone_hints = True
+    for_node = for_zone = False
+    for e in endpoints:
+        if not e.ready:
+            continue
+        any_ready = True
+        if not e.node_hints:
+            all_node_hints = False
+        elif node_name is not None and node_name in e.node_hints:
+            for_node = True
+        if not e.zone_hints:
+            all_zone_hints = False
+        elif zone and zone in e.zone_hints:
+            for_zone = True
+    if not any_ready:
+        return Topology.ALL
+    if all_node_hints and for_node:
+        return Topology.SAME_NODE
+    if all_zone_hints and for_zone:
+        return Topology.SAME_ZONE
+    return Topology.ALL
+
+
 def usable_endpoints(
-    endpoints: Sequence[Endpoint], *, local_only: bool, node_name: str | None
+    endpoints: Sequence[Endpoint],
+    *,
+    local_only: bool,
+    node_name: str | None,
+    topology: Topology = Topology.ALL,
+    zone: str = "",
 ) -> tuple[Endpoint, ...]:
     """The endpoints traffic may go to: ready ones, else serving-and-terminating ones.
 
     With `local_only` (traffic policy Local) only endpoints on `node_name` count, before the
     fallback is applied, as in kube-proxy; an unknown node name has no local endpoints.
+    Otherwise `topology` (from `topology_mode`) narrows the ready ones to those hinted for
+    this node or `zone`; the serving-and-terminating fallback ignores hints, as kube-proxy's.
     """
     if local_only:
         endpoints = [e for e in endpoints if node_name is not None and e.node_name == node_name]
-    ready = tuple(e for e in endpoints if e.ready)
+        topology = Topology.ALL
+    if topology is Topology.SAME_NODE:
+        ready = tuple(e for e in endpoints if e.ready and node_name in e.node_hints)
+    elif topology is Topology.SAME_ZONE:
+        ready = tuple(e for e in endpoints if e.ready and zone in e.zone_hints)
+    else:
+        ready = tuple(e for e in endpoints if e.ready)
     if ready:
         return ready
     return tuple(e for e in endpoints if e.serving and e.terminating)
@@ -136,6 +188,9 @@ class EndpointPool:
     Round robin over the usable endpoints; with ClientIP affinity a client keeps its endpoint
     while it used it within the Service's *current* timeout (idle timeout, as kube-proxy). An
     endpoint whose dial just failed is skipped for `penalty_seconds` unless all are penalised.
+
+    Each worker process holds its own copy of a pool: copy `slot` of `slots` starts its round
+    robin `slot / slots` of the way round the endpoints, so the workers' first picks spread.
     """
 
     def __init__(
@@ -146,6 +201,9 @@ class EndpointPool:
         penalty_seconds: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         max_affinity_entries: int = DEFAULT_MAX_AFFINITY_ENTRIES,
+        slot: int = 0,
+        slots: int = 1,
+        source: SourcePolicy | None = None,
     ) -> None:
         self.name = name
         self.penalty_seconds = penalty_seconds
@@ -153,6 +211,12 @@ class EndpointPool:
         self._clock = clock
         self._addresses: tuple[Address, ...] = ()
         self._cursor = 0
+        self._slot = 0
+        self._slots = 1
+        # `_picks` when this pool last had no endpoints: while it is still the same, no pick
+        # has followed the order, so an update places the cursor at the slot's start rather
+        # than carrying it (kept as a count so that pick() stays as it was).
+        self._fresh_at = 0
         self._timeout: float | None = _normal_timeout(affinity_timeout)
         # ClientIP pins as two plain dicts (client -> endpoint, client -> last use) rather than
         # an object per client: hundreds of thousands of objects made every full pass of the
@@ -172,9 +236,10 @@ class EndpointPool:
         self._picks = 0
         self.proxy_protocol = 0
         """PROXY protocol version the data plane sends these endpoints first (0: none)."""
-        self.source: SourcePolicy | None = None
+        self.source: SourcePolicy | None = source
         """Transparent dialing (--preserve-source-ip) and the node's local clients; None: off."""
         self._local: frozenset[Address] = frozenset()
+        self.take_slot(slot, slots)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -295,7 +360,12 @@ class EndpointPool:
         for a, tally in self._tally_of.items():
             tally.local = a in local
         self._tallies = tuple(self._tally_of[a] for a in addresses)
-        self._cursor = _carry_cursor(old, self._cursor, addresses)
+        if self._picks == self._fresh_at:
+            self._cursor = self._start(len(addresses))
+        else:
+            self._cursor = _carry_cursor(old, self._cursor, addresses)
+        if not addresses:  # the order ends here: the next one starts at the slot's start
+            self._fresh_at = self._picks
         alive = set(addresses)
         if self._pinned:
             used = self._pin_used
@@ -303,6 +373,18 @@ class EndpointPool:
             self._pin_used = {c: used[c] for c in self._pinned}
         if self._penalties:
             self._penalties = {a: t for a, t in self._penalties.items() if a in alive}
+
+    def take_slot(self, slot: int, slots: int) -> None:
+        """Make this pool worker `slot`'s copy of `slots`; it starts there if it has not picked.
+
+        `slot * count // slots` for `count` endpoints: with fewer workers than endpoints the
+        starts are as far apart as they can be, so the copies' first picks differ for longer;
+        with more, every endpoint is some worker's start.
+        """
+        self._slots = max(1, slots)
+        self._slot = slot % self._slots
+        if self._picks == self._fresh_at:
+            self._cursor = self._start(len(self._addresses))
 
     def dial_failed(self, address: Address) -> None:
         """Skip `address` for `penalty_seconds` (its dial just failed)."""
@@ -372,6 +454,10 @@ class EndpointPool:
         self._cursor = first + 1 if first + 1 < count else 0
         self._record(addresses[first], ALL_PENALIZED)
         return addresses[first]
+
+    def _start(self, count: int) -> int:
+        """Where this slot's copy starts its round robin over `count` endpoints."""
+        return self._slot * count // self._slots
 
     def _penalised(self, address: Address, now: float) -> bool:
         until = self._penalties.get(address)

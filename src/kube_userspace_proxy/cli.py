@@ -32,13 +32,16 @@ from kube_userspace_proxy.config.settings import (
     read_config_file,
     split_host_port,
 )
-from kube_userspace_proxy.errors import ConfigError, ProxyError
+from kube_userspace_proxy.config.validation import mode_problem
+from kube_userspace_proxy.errors import ConfigError, InvalidConfigError, ProxyError
 from kube_userspace_proxy.portals import cleanup_all
 
 log = logs.get(__name__)
 
 PROG = "kube-userspace-proxy"
 EXIT_USAGE = 2
+EXIT_INVALID = 1
+"""kube-proxy's exit code for a configuration its validation refuses."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -125,6 +128,7 @@ IGNORED_FLAGS: dict[str, str] = {
             "--log-file-max-size",
             "--stderrthreshold",
             "--azure-container-registry-config",
+            "--boot-id-file",
         ),
         "value",
     ),
@@ -143,6 +147,7 @@ _UNLISTED = {
     "--log-file-max-size",
     "--stderrthreshold",
     "--azure-container-registry-config",
+    "--boot-id-file",
 }
 
 
@@ -237,6 +242,14 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
             help=f"Deprecated in kube-proxy: the port of {name[2:-5]} bind address; 0 disables "
             f"(default: {port})",
         )
+    parser.add_argument(
+        "--version",
+        nargs="?",
+        const="true",
+        default=None,
+        metavar="BOOL|raw",
+        help="Print the version and exit, as kube-proxy's --version (default: false)",
+    )
     _add_logging_flags(parser)
     ignored = parser.add_argument_group(
         "kube-proxy flags accepted and ignored",
@@ -353,6 +366,9 @@ def _warn_ignored(args: argparse.Namespace) -> None:
             log.warning(
                 "%s is a kube-proxy flag that does not apply to userspace mode; ignored", flag
             )
+    refused = mode_problem(args.proxy_mode or "", "--proxy-mode")
+    if refused:
+        raise InvalidConfigError(refused)
     if args.proxy_mode not in (None, "", "userspace"):
         log.warning(
             "--proxy-mode=%s ignored: this proxy implements kube-proxy's userspace mode",
@@ -385,6 +401,21 @@ def parse_config(args: argparse.Namespace) -> ProxyConfig:
     return build_config(file_values, flags, source=source)
 
 
+def pflag_spelling(argv: Sequence[str]) -> list[str]:
+    """Flags as pflag normalizes kube-proxy's: `_` in a flag's name is `-` (`--log_dir`);
+    values, and everything after `--`, are left as given."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + list(argv[i:])
+        name, eq, value = arg.partition("=")
+        if arg.startswith("--") and "_" in name:
+            out.append(name.replace("_", "-") + eq + value)
+        else:
+            out.append(arg)
+    return out
+
+
 def _argv_with_default_command(argv: Sequence[str]) -> list[str]:
     commands = {"run", "demo", "rules", "cleanup"}
     if not argv or argv[0] in commands or argv[0] in {"-h", "--help", "--version"}:
@@ -395,8 +426,12 @@ def _argv_with_default_command(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kube-userspace-proxy` command; returns the exit code."""
     parser = make_parser()
-    args = parser.parse_args(_argv_with_default_command(sys.argv[1:] if argv is None else argv))
+    given = pflag_spelling(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_argv_with_default_command(given))
     command = args.command or "run"
+    if command in ("run", "rules") and args.version not in (None, "false", "f", "0"):
+        print(f"{PROG} {__version__}")  # kube-proxy's `--version` (and `=raw`): then exit
+        return 0
     logs.setup(args.verbosity or 0, args.log_format or "text")
     try:
         if command == "demo":
@@ -412,6 +447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _write_config(config, args.write_config_to)
         set_oom_score_adj(config.oom_score_adj)
         return app.run_loop(app.serve(config), config.event_loop)
+    except InvalidConfigError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return EXIT_INVALID
     except ConfigError as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return EXIT_USAGE

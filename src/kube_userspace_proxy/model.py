@@ -115,6 +115,10 @@ class Endpoint:
     serving: bool = True
     terminating: bool = False
     node_name: str | None = None
+    node_hints: tuple[str, ...] = ()
+    """`hints.forNodes` names: the nodes this endpoint should serve (PreferSameNode)."""
+    zone_hints: tuple[str, ...] = ()
+    """`hints.forZones` names: the zones this endpoint should serve (PreferClose/SameZone)."""
 
     @property
     def address(self) -> tuple[str, int]:
@@ -147,6 +151,8 @@ class Desired:
     )
     node_name: str | None = None
     node_ips: tuple[str, ...] = ()
+    node_zone: str = ""
+    """The `topology.kubernetes.io/zone` label of the own Node ("": none), for zone hints."""
     trigger_times: tuple[float, ...] = ()
     service_changes: int = 0
     """Service changes folded in since the previous one."""

@@ -8,7 +8,7 @@ import pydantic
 import pytest
 import yaml
 
-from kube_userspace_proxy.cluster.objects import node_pod_cidrs
+from kube_userspace_proxy.cluster.objects import parse_node
 from kube_userspace_proxy.cluster.sources.manifests import ManifestSource
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.config.settings import TRANSPARENT_MARK, TRANSPARENT_TABLE, ProxyConfig
@@ -21,6 +21,7 @@ from kube_userspace_proxy.portals.returnpath import (
     removal_text,
     restore_text,
 )
+from tests.unit.test_state import HTTP, endpoint_slice, service
 
 
 def test_the_mark_rule_sets_only_its_bit_on_replies_to_transparent_sockets() -> None:
@@ -98,15 +99,27 @@ def test_the_nodes_pod_cidrs_reach_the_snapshot() -> None:
         "metadata": {"name": "n1"},
         "spec": {"podCIDR": "10.244.1.0/24", "podCIDRs": ["10.244.1.0/24", "fd00:1::/64"]},
     }
-    assert node_pod_cidrs(node) == ("10.244.1.0/24", "fd00:1::/64")
-    assert node_pod_cidrs({"spec": {"podCIDR": "10.244.2.0/24"}}) == ("10.244.2.0/24",)
-    assert node_pod_cidrs({"spec": {"podCIDRs": ["nonsense"]}}) == ()
+    assert parse_node(node).pod_cidrs == ("10.244.1.0/24", "fd00:1::/64")
+    assert parse_node({"spec": {"podCIDR": "10.244.2.0/24"}}).pod_cidrs == ("10.244.2.0/24",)
+    assert parse_node({"spec": {"podCIDRs": ["nonsense"]}}).pod_cidrs == ()
     changes = []
     state = ClusterState(node_name="n1", on_change=lambda: changes.append(1))
     state.set_node(node)
     assert changes and state.view().pod_cidrs == ("10.244.1.0/24", "fd00:1::/64")
     state.set_node(None)
     assert state.view().pod_cidrs == ()
+
+
+def test_a_pod_cidr_change_reaches_every_service_port_in_the_next_partial_sync() -> None:
+    state = ClusterState(node_name="n1")
+    state.replace("Service", [service()])
+    state.replace("EndpointSlice", [endpoint_slice()])
+    state.set_node({"metadata": {"name": "n1"}, "spec": {"podCIDR": "10.244.1.0/24"}})
+    state.snapshot()
+    state.set_node({"metadata": {"name": "n1"}, "spec": {"podCIDR": "10.244.7.0/24"}})
+    partial = state.changes()
+    assert partial.pod_cidrs == ("10.244.7.0/24",)
+    assert partial.changed == {HTTP} and HTTP in partial.endpoints
 
 
 async def test_a_manifest_may_hold_this_nodes_node(tmp_path: Path) -> None:
@@ -117,6 +130,6 @@ async def test_a_manifest_may_hold_this_nodes_node(tmp_path: Path) -> None:
     ]
     manifest.write_text(yaml.safe_dump_all(nodes))
     state = ClusterState(node_name="n1")
-    source = ManifestSource([str(manifest)], state, node_name="n1")
+    source = ManifestSource([str(manifest)], state)
     await source.load_once()
     assert state.view().pod_cidrs == ("10.244.1.0/24",)

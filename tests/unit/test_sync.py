@@ -7,6 +7,9 @@ import time
 
 from kube_userspace_proxy.app.runner import BoundedFrequencyRunner
 
+SLACK = 0.05
+"""Seconds a sync's recorded time may lag its token on a busy machine (preemption)."""
+
 
 async def _until(predicate, seconds: float = 3.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + seconds
@@ -35,10 +38,11 @@ async def test_a_storm_of_requests_is_bounded_by_min_interval() -> None:
         # One sync per min_interval on average, plus the burst of two saved up since start.
         assert len(runs) - 1 <= 2 + elapsed / 0.2 + 1
         # Once the burst is spent, syncs follow the token schedule: the k-th one after it comes
-        # no sooner than k min_intervals later. (A single gap may be shorter on a busy machine:
-        # a sync that ran late does not push the schedule back.)
+        # about k min_intervals later. The times are taken inside fn, a little after the token:
+        # on a busy machine a preempted process records one late, so SLACK allows for that (a
+        # runner that ignored min_interval would sync every 2 ms of the storm).
         spent = runs[2:]
-        assert all(t - spent[0] >= k * 0.19 for k, t in enumerate(spent)), spent
+        assert all(t - spent[0] >= k * 0.2 - SLACK for k, t in enumerate(spent)), spent
     finally:
         task.cancel()
 
@@ -85,7 +89,7 @@ async def test_with_a_burst_of_one_every_sync_waits_min_interval() -> None:
         await _until(lambda: len(runs) >= 2)
         await asyncio.sleep(0.5)
         assert 2 <= len(runs) <= 3
-        assert all(t - runs[0] >= k * 0.19 for k, t in enumerate(runs)), runs
+        assert all(t - runs[0] >= k * 0.2 - SLACK for k, t in enumerate(runs)), runs
     finally:
         task.cancel()
 

@@ -79,7 +79,11 @@ async def adopt(proxy: Proxy, taken: handover.Taken) -> None:
     pool starts from its reuseport groups' order.
     """
     try:
-        snapshot, ports = statefile.decode(taken.state, node_name=proxy.state.node_name)
+        snapshot, ports = statefile.decode(
+            taken.state,
+            node_name=proxy.state.node_name,
+            loopback=proxy.config.allows_loopback_endpoints,
+        )
     except statefile.StateFileError as exc:
         raise ProxyError(f"the handed-over state cannot be used: {exc}") from None
     claims = {d.claim: sock for d, sock in taken.claim(sockets.ProxyPortSocket)}

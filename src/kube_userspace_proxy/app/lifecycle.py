@@ -67,6 +67,8 @@ async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> 
     taken = None
     if config.state_dir:
         try:
+            # Before anything in it is read or listened to: others must not write there.
+            statefile.check_directory(config.state_dir)
             taken = await handover.take(
                 config.state_dir,
                 proxy.workers.count if proxy.workers else 1,
@@ -189,7 +191,7 @@ def make_source(
 ) -> Source:
     """Manifests when `--manifests` is given, else the API server (counted in `metrics`)."""
     if config.manifests:
-        return ManifestSource(list(config.manifests), state, node_name=state.node_name)
+        return ManifestSource(list(config.manifests), state)
     # Imported here: kubernetes_asyncio takes a quarter of the start-up, which a restart from
     # the state file does not wait for.
     from kube_userspace_proxy.cluster.sources.kube import KubeSource  # noqa: PLC0415

@@ -120,7 +120,7 @@ class Pipeline:
         if self._proxier.rules_pending:
             self.runner.request()
         else:  # nothing waits for a rule commit: this change is synced
-            self._metrics.sync_done(time.monotonic() - started)
+            self._metrics.sync_done(time.monotonic() - started, full=False)
             self._health.synced()
 
     async def sync_once(self) -> bool:
@@ -148,7 +148,7 @@ class Pipeline:
         live = proxier.rules_live_at if proxier.rule_applies != commits else None
         await self._after(snapshot, live=live)
         self._first_build.end()
-        self._metrics.sync_done(time.monotonic() - started)
+        self._metrics.sync_done(time.monotonic() - started, full=complete)
         self._health.synced()
         self.syncs += 1
         self.synced_once.set()

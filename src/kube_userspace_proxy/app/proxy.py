@@ -25,7 +25,13 @@ from kube_userspace_proxy.ops.health import ProxyHealth
 from kube_userspace_proxy.ops.metrics import ProxyMetrics
 from kube_userspace_proxy.ops.server import OpsServer
 from kube_userspace_proxy.ops.servicehealth import ServiceHealthServers
-from kube_userspace_proxy.portals import Portals, check_transparent, explain, make_backend
+from kube_userspace_proxy.portals import (
+    Portals,
+    StaleFlows,
+    check_transparent,
+    explain,
+    make_backend,
+)
 from kube_userspace_proxy.ports import PortAllocator
 from kube_userspace_proxy.proxier.contracts import DataPlane
 from kube_userspace_proxy.proxier.local import LocalDataPlane
@@ -116,6 +122,7 @@ class Proxy:
             self.proxier.open_ports,
             per_service_port=config.metrics_per_service_port,
             transparent=config.preserve_source_ip,
+            ip_families=_families(config.bind_address),
         )
         if self.workers is not None:
             self.metrics.follow_workers(self.workers)
@@ -144,7 +151,9 @@ class Proxy:
                 transparent=(config.transparent_mark, config.transparent_table)
                 if config.preserve_source_ip
                 else None,
+                flows=StaleFlows(),
             )
+            self.metrics.follow_flows(portals.flows)
             self.proxier.set_rule_sink(_CountingRules(portals, self.metrics))
             self.portals = portals
         self.state = ClusterState(
@@ -198,9 +207,12 @@ class Proxy:
         return snapshot
 
     def _node_port_addresses(self) -> Sequence[str]:
-        if not self.config.nodeport_addresses:
+        configured = self.config.nodeport_addresses
+        if not configured:
             return (self.config.bind_address,)
-        return local_addresses_in(self.config.nodeport_addresses, addresses.local_addresses())
+        # `primary`: the node IPs of the sync under way.
+        cidrs = addresses.nodeport_cidrs(configured, self.proxier.node_ips)
+        return local_addresses_in(cidrs, addresses.local_addresses())
 
     def _changed(self) -> None:
         self.pipeline.changed()
@@ -213,7 +225,11 @@ class Proxy:
         """What an earlier run saved in the state directory (None: nothing usable)."""
         if not self.config.state_dir:
             return None
-        return statefile.load(self.config.state_dir, node_name=self.state.node_name)
+        return statefile.load(
+            self.config.state_dir,
+            node_name=self.state.node_name,
+            loopback=self.config.allows_loopback_endpoints,
+        )
 
     async def restore(self, saved: tuple[Snapshot, statefile.Ports], *, source: str = "") -> None:
         """Serve the state an earlier run saved, until the first complete list.

@@ -20,6 +20,11 @@ Event = Literal["ADDED", "MODIFIED", "DELETED"]
 class StateSink(Protocol):
     """The state as a source sees it: complete lists, page-wise lists, events, the Node."""
 
+    @property
+    def node_name(self) -> str | None:
+        """This node's name (None: unknown): which Node object is the own one."""
+        ...
+
     def replace(self, kind: Kind, objects: Iterable[Mapping[str, Any]]) -> None:
         """Take the complete list of one kind (list, relist, manifest reload)."""
         ...

@@ -16,11 +16,11 @@ from kube_userspace_proxy import logs
 from kube_userspace_proxy.cluster.objects import (
     Key,
     Malformed,
+    NodeFacts,
     Skip,
     Slice,
     describe,
     ignore_reason,
-    node_pod_cidrs,
     object_key,
     parse_node,
     parse_service,
@@ -80,6 +80,7 @@ class ClusterState:
         self._trigger_times: list[float] = []
         self._node_ips: tuple[str, ...] = ()
         self._node_eligible = True
+        self._node_zone = ""
         self._pod_cidrs: tuple[str, ...] = ()
         # Snapshot parts kept between snapshots; only services marked dirty are rebuilt.
         self._dirty: set[Key] = set()
@@ -102,6 +103,11 @@ class ClusterState:
     @property
     def node_ips(self) -> tuple[str, ...]:
         return self._node_ips
+
+    @property
+    def node_zone(self) -> str:
+        """The own Node's `topology.kubernetes.io/zone` label ("": none or unknown)."""
+        return self._node_zone
 
     # -- input ----------------------------------------------------------------------------
 
@@ -174,23 +180,28 @@ class ClusterState:
             self.on_change()
 
     def set_node(self, node: Mapping[str, Any] | None) -> None:
-        """Take the own Node object (None: unknown or gone): its addresses and eligibility."""
-        ips: tuple[str, ...] = ()
-        eligible = True
-        pod_cidrs: tuple[str, ...] = ()
+        """Take the own Node object (None: unknown or gone): addresses, eligibility, zone,
+        podCIDRs."""
+        facts = NodeFacts((), True)
         if node is not None:
             try:
-                ips, eligible = parse_node(node)
+                facts = parse_node(node)
             except Exception as exc:
                 log.warning("skipping Node %s: %s", _name_of(node), exc)
                 return
-            pod_cidrs = node_pod_cidrs(node)
-        if (ips, eligible, pod_cidrs) == (self._node_ips, self._node_eligible, self._pod_cidrs):
+        known = NodeFacts(self._node_ips, self._node_eligible, self._node_zone, self._pod_cidrs)
+        if facts == known:
             return
-        if not eligible and self._node_eligible:
+        if not facts.eligible and self._node_eligible:
             log.info("node %s is being deleted: reporting not eligible", _name_of(node))
-        self._node_ips, self._node_eligible = ips, eligible
-        self._pod_cidrs = pod_cidrs
+        if (facts.ips, facts.zone, facts.pod_cidrs) != (known.ips, known.zone, known.pod_cidrs):
+            if facts.zone != self._node_zone:
+                log.info("node zone is now %r (was %r)", facts.zone, self._node_zone)
+            # Zone hints, NodePort addresses (`primary`), local clients (podCIDRs): every
+            # service port is chosen again.
+            self._touched.update(self._snap_services)
+        self._node_ips, self._node_eligible = facts.ips, facts.eligible
+        self._node_zone, self._pod_cidrs = facts.zone, facts.pod_cidrs
         self.on_change()
 
     # -- output ---------------------------------------------------------------------------
@@ -224,6 +235,7 @@ class ClusterState:
             endpoints=MappingProxyType(dict(self._snap_endpoints)),
             node_name=self.node_name,
             node_ips=self._node_ips,
+            node_zone=self._node_zone,
             pod_cidrs=self._pod_cidrs,
         )
 
@@ -248,6 +260,7 @@ class ClusterState:
             endpoints=MappingProxyType(endpoints),
             node_name=self.node_name,
             node_ips=self._node_ips,
+            node_zone=self._node_zone,
             pod_cidrs=self._pod_cidrs,
             trigger_times=times,
             service_changes=changes[0],
@@ -403,7 +416,14 @@ class ClusterState:
                     # The same endpoint in two slices (during a move): the ready copy wins.
                     if seen is None or (e.ready and not seen.ready):
                         into[(e.ip, number)] = Endpoint(
-                            e.ip, number, e.ready, e.serving, e.terminating, e.node_name
+                            e.ip,
+                            number,
+                            e.ready,
+                            e.serving,
+                            e.terminating,
+                            e.node_name,
+                            e.node_hints,
+                            e.zone_hints,
                         )
         for info in infos:
             self._touched.add(info.name)

@@ -17,9 +17,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.addresses import NODEPORT_PRIMARY
 from kube_userspace_proxy.config import kubeproxy as kpc
+from kube_userspace_proxy.config import validation
 from kube_userspace_proxy.config.fields import APPLIED_PATHS, FILE_FIELDS
-from kube_userspace_proxy.errors import ConfigError
+from kube_userspace_proxy.errors import ConfigError, InvalidConfigError
 from kube_userspace_proxy.model import SourcePolicy
 
 log = logs.get(__name__)
@@ -142,7 +144,8 @@ class ProxyConfig(BaseModel):
     kube_api_burst: int = 10
     """Burst of requests allowed above kube_api_qps."""
     nodeport_addresses: tuple[str, ...] = ()
-    """CIDRs whose local addresses answer NodePorts; empty: every local address."""
+    """CIDRs whose local addresses answer NodePorts, or `primary` (the Node's IP of each
+    family, followed); empty: every local address."""
     cluster_cidr: str = ""
     """The cluster's Pod CIDR (informational; shown in /configz)."""
     service_proxy_name: str = ""
@@ -241,7 +244,7 @@ class ProxyConfig(BaseModel):
     @classmethod
     def _check_cidrs(cls, value: Any) -> tuple[str, ...]:
         cidrs = expand_nodeport_addresses(tuple(str(v) for v in value or ()))
-        for cidr in cidrs:
+        for cidr in cidrs if cidrs != (NODEPORT_PRIMARY,) else ():
             ipaddress.ip_network(cidr, strict=False)
         return cidrs
 
@@ -420,6 +423,9 @@ def config_from_document(doc: Mapping[str, Any], *, source: str = "config") -> d
             raise fail(section, "expected an object")
     known = kpc.strip_unknown(doc, source=source)
     mode = known.get("mode") or ""
+    refused = validation.mode_problem(str(mode), "KubeProxyConfiguration.mode")
+    if refused:
+        raise InvalidConfigError(f"{source}: {refused}")
     if mode not in {"", "userspace"}:
         log.warning(
             "%s: mode %r ignored: this proxy implements kube-proxy's userspace mode (Services "
@@ -453,19 +459,22 @@ def config_from_document(doc: Mapping[str, Any], *, source: str = "config") -> d
 def expand_nodeport_addresses(values: Sequence[str]) -> tuple[str, ...]:
     """kube-proxy's nodePortAddresses keywords as CIDRs: `localhost`, `all`; empty means all.
 
-    `primary` (the Node object's IPs) cannot be expanded before the Node is known: it is dropped
-    with a warning, leaving the other entries (or every local address when none is left).
+    `primary` alone stays as it is: the Node's primary IPs, followed as they change (see
+    `addresses.primary_cidrs`). Beside CIDRs, which kube-proxy refuses, it is dropped with a
+    warning, leaving the other entries.
     """
+    if tuple(values) == (NODEPORT_PRIMARY,):
+        return (NODEPORT_PRIMARY,)
     out: list[str] = []
     for value in values:
         if value == "all":
             return ()
         if value == "localhost":
             out += ["127.0.0.0/8", "::1/128"]
-        elif value == "primary":
+        elif value == NODEPORT_PRIMARY:
             log.warning(
-                "nodePortAddresses 'primary' is not supported; give the node's CIDRs instead "
-                "(NodePorts answer on every local address otherwise)"
+                "nodePortAddresses 'primary' beside CIDRs is ignored: it must be the only"
+                " entry, as kube-proxy requires"
             )
         else:
             out.append(value)
@@ -493,16 +502,45 @@ def effective_document(config: ProxyConfig) -> dict[str, Any]:
 def build_config(
     file_values: Mapping[str, Any], flag_values: Mapping[str, Any], *, source: str = "config"
 ) -> ProxyConfig:
-    """Merge file values under flag values and validate; ConfigError names the field at fault."""
-    merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
-    try:
-        return ProxyConfig(**merged)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or "?"
-        reason = first["msg"].removeprefix("Value error, ")
-        value = merged.get(str(first["loc"][0])) if first["loc"] else None
-        raise ConfigError(f"{source}: {field}={value!r}: {reason}") from None
+    """Merge file values under flag values and validate as kube-proxy does; InvalidConfigError
+    names each field at fault as kube-proxy does (the flag, when a flag gave the value)."""
+    flags = {k: v for k, v in flag_values.items() if v is not None}
+    merged = {**file_values, **flags}
+
+    def place(name: str) -> str:
+        return validation.where(name, from_flag=name in flags)
+
+    found = validation.problems(merged, place)
+    if not found:
+        try:
+            config = ProxyConfig(**merged)
+        except ValidationError as exc:
+            for error in exc.errors():
+                name = str(error["loc"][0]) if error["loc"] else "?"
+                reason = error["msg"].removeprefix("Value error, ")
+                found.append(validation.invalid(place(name), merged.get(name), reason))
+        else:
+            parsed = {name: getattr(config, name) for name in _PERIODS}
+            shown = {  # a flag's duration arrives parsed: shown the Go way again
+                name: format_duration(merged[name])
+                if isinstance(merged[name], float)
+                else merged[name]
+                for name in _PERIODS
+                if name in merged
+            }
+            found = validation.period_problems(parsed, shown, place)
+            if not found:
+                return config
+    # A file's field says which file (a flag names itself).
+    file_named = source.startswith("--config") and any(
+        line.startswith("KubeProxyConfiguration.") for line in found
+    )
+    prefix = f"{source}: " if file_named else ""
+    # One line, as Go's aggregate of field errors prints several: [a, b].
+    raise InvalidConfigError(prefix + (found[0] if len(found) == 1 else f"[{', '.join(found)}]"))
+
+
+_PERIODS = ("udp_idle_timeout", "config_sync_period", "sync_period", "min_sync_period")
 
 
 def field_doc(name: str) -> str:

@@ -145,6 +145,40 @@ class _WorkerCollector(Collector):
         return [alive, restarts, unserved]
 
 
+class FlowCounters(typing.Protocol):
+    """What the stale-UDP-flow cleaner keeps (`portals.StaleFlows`, read at scrape time)."""
+
+    deleted: dict[int, int]
+    errors: int
+
+
+class _FlowCollector(Collector):
+    def __init__(self, owner: ProxyMetrics) -> None:
+        self._owner = owner
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # present only with rules installed
+
+    def collect(self) -> Iterable[Metric]:
+        flows = self._owner._flows
+        if flows is None:
+            return []
+        deleted = CounterMetricFamily(
+            "kubeproxy_conntrack_reconciler_deleted_entries",
+            "Cumulative conntrack flows deleted by conntrack reconciler (stale UDP flows)",
+            labels=["ip_family"],
+        )
+        for family, count in sorted(flows.deleted.items()):
+            deleted.add_metric([f"IPv{family}"], count)
+        errors = CounterMetricFamily(
+            PREFIX + "conntrack_errors",
+            "Failed reads and deletes of conntrack entries of stale UDP flows (each logged;"
+            " those flows stay until they idle out)",
+        )
+        errors.add_metric([], flows.errors)
+        return [deleted, errors]
+
+
 class ProxyMetrics:
     """The proxy's metrics; the sync runner, proxier and ops server report through its methods.
 
@@ -161,6 +195,7 @@ class ProxyMetrics:
         process_metrics: bool = True,
         per_service_port: bool = True,
         transparent: bool = False,
+        ip_families: Sequence[str] = ("IPv4",),
     ) -> None:
         self._ports = PortMetrics(
             port_stats, proxy_ports, enabled=per_service_port, transparent=transparent
@@ -171,28 +206,61 @@ class ProxyMetrics:
         if process_metrics:
             ProcessCollector(registry=base)
             PlatformCollector(registry=base)
+        # kube-proxy (1.28+) labels these by ip_family; one sync here serves every family the
+        # proxy ports serve, so each sample is recorded under each of them.
+        self._families = tuple(ip_families)
+        family = ["ip_family"]
+        sync_buckets = _exponential(0.001, 2, 15)
         self._sync_duration = Histogram(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds",
-            buckets=_exponential(0.001, 2, 15),
+            family,
+            buckets=sync_buckets,
+            registry=base,
+        )
+        self._sync_full = Histogram(
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+            family,
+            buckets=sync_buckets,
+            registry=base,
+        )
+        self._sync_partial = Histogram(
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+            family,
+            buckets=sync_buckets,
             registry=base,
         )
         self._last_sync = Gauge(
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
             "The last time proxy rules were successfully synced",
+            family,
             registry=base,
         )
         self._last_queued = Gauge(
             "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
             "The last time a sync of proxy rules was queued",
+            family,
             registry=base,
         )
         self._programming = Histogram(
             "kubeproxy_network_programming_duration_seconds",
             "In Cluster Network Programming Latency in seconds",
+            family,
             buckets=_PROGRAMMING_BUCKETS,
             registry=base,
         )
+        for name in self._families:  # present from the start, as kube-proxy's are
+            for metric in (
+                self._sync_duration,
+                self._sync_full,
+                self._sync_partial,
+                self._last_sync,
+                self._last_queued,
+                self._programming,
+            ):
+                metric.labels(name)
         self._loop_lag = Histogram(
             PREFIX + "event_loop_lag_seconds",
             "How late a timer fired on the control process's event loop (sampled every 20 ms)",
@@ -239,11 +307,12 @@ class ProxyMetrics:
         self._no_local = Gauge(
             "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
             "Number of service ports with a Local traffic policy and no local endpoints",
-            ["traffic_policy"],
+            ["ip_family", "traffic_policy"],
             registry=base,
         )
-        for policy in ("internal", "external"):
-            self._no_local.labels(policy).set(0)
+        for name in self._families:
+            for policy in ("internal", "external"):
+                self._no_local.labels(name, policy).set(0)
         self._iptables_rules = Gauge(
             "kubeproxy_sync_proxy_rules_iptables_total",
             "Number of iptables rules the proxy has installed, per table",
@@ -275,6 +344,8 @@ class ProxyMetrics:
         base.register(_SourceCollector(self))
         self._workers: WorkerCounters | None = None
         base.register(_WorkerCollector(self))
+        self._flows: FlowCounters | None = None
+        base.register(_FlowCollector(self))
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(base)
         self.registry.register(PortCollector(self._ports))
@@ -290,14 +361,21 @@ class ProxyMetrics:
 
     # -- sync runner / proxier ------------------------------------------------------------
 
-    def sync_done(self, duration_seconds: float) -> None:
-        """A sync succeeded after `duration_seconds`."""
-        self._sync_duration.observe(duration_seconds)
-        self._last_sync.set(self._clock())
+    def sync_done(self, duration_seconds: float, *, full: bool = True) -> None:
+        """A sync succeeded after `duration_seconds`: a full one (the complete state: the
+        first, a periodic resync, a retry) or a partial one (the changes since the last)."""
+        now = self._clock()
+        kind = self._sync_full if full else self._sync_partial
+        for family in self._families:
+            self._sync_duration.labels(family).observe(duration_seconds)
+            kind.labels(family).observe(duration_seconds)
+            self._last_sync.labels(family).set(now)
 
     def sync_queued(self) -> None:
         """A change asked for a sync."""
-        self._last_queued.set(self._clock())
+        now = self._clock()
+        for family in self._families:
+            self._last_queued.labels(family).set(now)
 
     def set_pending(self, services: int, endpoints: int) -> None:
         """Changes received but not yet synced."""
@@ -317,7 +395,8 @@ class ProxyMetrics:
 
     def network_programming(self, seconds: float) -> None:
         """Time from an endpoint change (its trigger time) to the sync that applied it."""
-        self._programming.observe(max(seconds, 0.0))
+        for family in self._families:
+            self._programming.labels(family).observe(max(seconds, 0.0))
 
     def api_request(self, code: str, method: str, host: str, seconds: float) -> None:
         """One request to the API server answered (or failed) after `seconds`."""
@@ -328,14 +407,19 @@ class ProxyMetrics:
         """Export the API source's own counters (read at scrape time)."""
         self._source = source
 
+    def follow_flows(self, flows: FlowCounters | None) -> None:
+        """Export the stale-UDP-flow cleaner's counters (read at scrape time)."""
+        self._flows = flows
+
     def follow_workers(self, pool: WorkerCounters) -> None:
         """Export the worker pool's process counts (read at scrape time)."""
         self._workers = pool
 
     def set_no_local_endpoints(self, internal: int, external: int) -> None:
         """Service ports whose Local policy found endpoints, but none on this node."""
-        self._no_local.labels("internal").set(internal)
-        self._no_local.labels("external").set(external)
+        for family in self._families:
+            self._no_local.labels(family, "internal").set(internal)
+            self._no_local.labels(family, "external").set(external)
 
     def set_iptables_rules(self, per_table: dict[str, int]) -> None:
         """Rules of ours in each table after a commit (tables not named keep their value)."""

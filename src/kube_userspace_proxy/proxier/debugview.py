@@ -57,6 +57,7 @@ def entries(
                 for path, pool in served.pools.items()
             },
             "knownEndpoints": served.all_endpoints,
+            "topology": served.topology or "none",
             "sourceAddress": {  # --preserve-source-ip: the dial's source, per endpoint
                 str(path): {_show(a): why for a, why in pool.source_choices().items()}
                 for path, pool in served.pools.items()

@@ -84,6 +84,21 @@ class NodePorts:
                 " traffic captured by the NodePort rules is still served"
             )
 
+    def addresses_now(self) -> tuple[str, ...]:
+        """The addresses NodePort sockets belong on now (they may follow the node's IPs)."""
+        return tuple(self._addresses())
+
+    async def follow(self, served: Served, addresses: Sequence[str]) -> None:
+        """Bind `served`'s NodePort sockets again when the addresses they belong on moved."""
+        if [address for address, _ in served.node_port_listeners] == list(addresses):
+            return
+        listeners = [listener for _, listener in served.node_port_listeners]
+        served.node_port_listeners.clear()
+        served.node_port = 0
+        for listener in listeners:  # closed before binding: an address may stay in the list
+            await listener.close()
+        await self.open(served)
+
     @staticmethod
     def point(served: Served) -> None:
         """NodePort sockets serve external traffic: give them that path's pool."""

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequenc
 from typing import Any
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.balancer import EndpointPool, on_node, usable_endpoints
+from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
@@ -79,6 +79,13 @@ class Proxier:
         self._opened: list[Served] = []  # announced once they serve
         self.node_name: str | None = None
         self.source: SourcePolicy | None = None
+        self._node_zone = ""
+        self._node_port_now: tuple[str, ...] | None = None  # set while the node's IPs moved
+
+    @property
+    def node_ips(self) -> tuple[str, ...]:
+        """The node IPs of the sync in progress (or the last one)."""
+        return self._commits.node_ips
 
     @property
     def rule_applies(self) -> int:
@@ -155,11 +162,19 @@ class Proxier:
             await self.commit_rules(force=full)
 
     async def _reconcile(self, snapshot: Snapshot | Change, *, full: bool) -> None:
-        # A new source policy (--preserve-source-ip) reaches every pool, as a new node does.
-        same_node = snapshot.node_name == self.node_name and snapshot.source == self.source
+        # A new zone or node IPs choose endpoints (hints) and NodePort addresses again; a new
+        # source policy (--preserve-source-ip) reaches every pool, as a new node does.
+        node_moved = (snapshot.node_zone, snapshot.node_ips) != (self._node_zone, self.node_ips)
+        same_node = (
+            snapshot.node_name == self.node_name
+            and not node_moved
+            and snapshot.source == self.source
+        )
         self.node_name = snapshot.node_name
         self.source = snapshot.source
         self._commits.node_ips = snapshot.node_ips
+        self._node_zone = snapshot.node_zone
+        self._node_port_now = self._node_ports.addresses_now() if node_moved else None
         self._budget.start()
         if not self._book.loaded:
             await self._book.load(self._commits.portals)
@@ -272,7 +287,7 @@ class Proxier:
                 fresh.append((Path.EXTERNAL, self._open(served, Path.EXTERNAL)))
             elif not info.paths_differ and Path.EXTERNAL in served.listeners:
                 self._retire(served, Path.EXTERNAL)
-            self._update_endpoints(served, snapshot)
+            served.take_endpoints(snapshot)
             # Started once their pools are filled, so a port listens when it is announced.
             for _, listener in fresh:
                 await listener.start()
@@ -285,7 +300,7 @@ class Proxier:
                 self._book.release(info.protocol, listener.port)
                 await listener.close()
             if not new:
-                self._update_endpoints(served, snapshot)  # the paths left still follow
+                served.take_endpoints(snapshot)  # the paths left still follow
             raise
         if fresh:
             served.target = None
@@ -293,6 +308,8 @@ class Proxier:
         if new:
             self._served[name] = served
         self._node_ports.point(served)
+        if served.node_port and self._node_port_now is not None:
+            await self._node_ports.follow(served, self._node_port_now)
         if served.node_port != info.node_port:
             self._node_ports.close(served)
             if info.node_port:
@@ -311,25 +328,6 @@ class Proxier:
         served.pools[path] = pool
         served.listeners[path] = listener
         return listener
-
-    def _update_endpoints(self, served: Served, snapshot: Snapshot | Change) -> None:
-        info = served.info
-        endpoints = snapshot.endpoints_of(info.name)
-        served.endpoints = endpoints
-        served.all_endpoints = len(endpoints)
-        timeout = float(info.affinity_timeout_seconds) if info.client_ip_affinity else None
-        for path, pool in served.pools.items():
-            local = (
-                info.external_traffic_local
-                if path is Path.EXTERNAL
-                else info.internal_traffic_local
-            )
-            usable = usable_endpoints(endpoints, local_only=local, node_name=snapshot.node_name)
-            pool.source = snapshot.source  # --preserve-source-ip
-            pool.update(usable, affinity_timeout=timeout, local=on_node(usable, snapshot.node_name))
-            pool.proxy_protocol = info.proxy_protocol
-        for listener in served.every_listener():
-            listener.refresh()
 
     # ---- removal and shutdown --------------------------------------------------------------
 

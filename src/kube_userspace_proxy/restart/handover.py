@@ -1,8 +1,10 @@
 """Restarts that refuse nothing: a new proxy process takes the sockets of the running one.
 
 The running proxy listens on `<state-dir>/handover.sock` (a unix SOCK_SEQPACKET socket, mode
-0600, peers checked with SO_PEERCRED: same user). A new process started with the same state
-directory connects before it binds anything, and the two talk (`fdpass`, JSON messages):
+0600). Before it reads or sends anything it checks the peer (`peers`: the same user and the
+same network namespace) and refuses any other with one warning, serving on. A new process
+started with the same state directory connects before it binds anything, and the two talk
+(`fdpass`, JSON messages):
 
     new -> old   hello {version, workers}
     old -> new   offer {version, workers}       (mismatch: new says "stop", see below)
@@ -37,6 +39,7 @@ from typing import Any, Protocol, TypeVar
 from kube_userspace_proxy import fdpass, logs
 from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.model import SocketKey
+from kube_userspace_proxy.restart import peers
 from kube_userspace_proxy.restart.sockets import SocketDescription, decode, encode
 
 log = logs.get(__name__)
@@ -123,7 +126,13 @@ async def serve(directory: str, giver: Giver, ready: Awaitable[Any]) -> None:
                 log.warning("refused a handover connection: %s", exc)
                 continue
             with conn:
-                if await _give(conn, giver):
+                try:
+                    peer = peers.check(conn, server)
+                except OSError as exc:
+                    # Checked before anything is read or sent: no offer, no "stop", no socket.
+                    log.warning("refused a handover connection: %s; nothing sent", exc)
+                    continue
+                if await _give(conn, giver, peer):
                     break
         server.close()  # done: the process stops (this task is cancelled with the others)
         await asyncio.Event().wait()
@@ -136,9 +145,8 @@ async def serve(directory: str, giver: Giver, ready: Awaitable[Any]) -> None:
         server.close()
 
 
-async def _give(conn: socket.socket, giver: Giver) -> bool:
-    """One successor's handover; True once it serves (this process is done)."""
-    peer = fdpass.check_peer(conn)
+async def _give(conn: socket.socket, giver: Giver, peer: int) -> bool:
+    """One checked successor's handover; True once it serves (this process is done)."""
     held = False
     try:
         async with asyncio.timeout(STEP_TIMEOUT):

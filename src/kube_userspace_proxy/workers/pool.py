@@ -113,7 +113,8 @@ class WorkerPool:
         event_loop: str = "uvloop",
     ) -> None:
         self.count = count
-        argv = ["-v", str(verbosity), "--log-format", log_format, "--event-loop", event_loop]
+        argv = ["--workers", str(count), "-v", str(verbosity), "--log-format", log_format]
+        argv += ["--event-loop", event_loop]
         replies = Replies()
         self._supervisor = Supervisor(
             count,

@@ -70,10 +70,11 @@ the control process's loop for 70-235 ms of CPU)."""
 
 
 class _Pool(EndpointPool):
-    """An endpoint pool whose dial failures are also reported to the other workers."""
+    """An endpoint pool whose dial failures are also reported to the other workers; the
+    worker's copy of its slot (`EndpointPool.take_slot`)."""
 
     def __init__(self, pool_id: int, name: ServicePortName, worker: Worker) -> None:
-        super().__init__(name)
+        super().__init__(name, slot=worker.index, slots=worker.slots)
         self.pool_id = pool_id
         self.worker = worker
         self.last: tuple[tuple[Address, ...], float | None, Transparency] | None = None
@@ -81,6 +82,23 @@ class _Pool(EndpointPool):
     def dial_failed(self, address: Address) -> None:
         super().dial_failed(address)
         self.worker.report_penalty(self.pool_id, address)
+
+    def take(
+        self,
+        addresses: tuple[Address, ...],
+        timeout: float | None,
+        proxy_protocol: int,
+        transparency: Transparency,
+    ) -> bool:
+        """Take this pool's entry of a table or delta; whether its endpoints changed."""
+        self.proxy_protocol = proxy_protocol
+        self.source = source_policy(transparency[0])
+        if self.last == (addresses, timeout, transparency):
+            return False
+        self.last = (addresses, timeout, transparency)
+        endpoints = [Endpoint(ip, port) for ip, port in addresses]
+        self.update(endpoints, affinity_timeout=timeout, local=frozenset(transparency[1]))
+        return True
 
 
 @dataclasses.dataclass(slots=True)
@@ -98,8 +116,13 @@ class Worker:
         index: int,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        *,
+        slots: int = 1,
     ) -> None:
         self.index = index
+        self.slots = slots
+        """How many workers serve (this one included): each starts its round robins at its
+        own place, so that their first picks spread over the endpoints."""
         self._reader = reader
         self._writer = writer
         self._served: dict[SocketKey, _Served] = {}
@@ -166,8 +189,11 @@ class Worker:
         protocol.send(self._writer, Pong(ping.seq, self.index))
 
     async def _on_become(self, become: Become) -> None:
-        """This spare takes the slot of a worker that died."""
+        """This spare takes the slot of a worker that died; its pools start at the slot's
+        place if they have not picked yet."""
         self.index = become.worker
+        for pool in self._pools.values():
+            pool.take_slot(self.index, self.slots)
 
     async def _on_steer(self, steer: Steer) -> None:
         self.steer(steer.routes)
@@ -226,15 +252,7 @@ class Worker:
                 namespace, name, port, kind = pool_name
                 spn = ServicePortName(namespace, name, port, Protocol(kind))
                 pool = self._pools[pool_id] = _Pool(pool_id, spn, self)
-            pool.proxy_protocol = proxy_protocol
-            pool.source = source_policy(tp[0])
-            if pool.last != (addresses, timeout, tp):
-                pool.last = (addresses, timeout, tp)
-                pool.update(
-                    [Endpoint(ip, port) for ip, port in addresses],
-                    affinity_timeout=timeout,
-                    local=frozenset(tp[1]),
-                )
+            if pool.take(addresses, timeout, proxy_protocol, tp):
                 changed.add(pool_id)
         return changed
 
@@ -495,13 +513,14 @@ async def _main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, lambda: None)
-    return await Worker(args.index, reader, writer).run()
+    return await Worker(args.index, reader, writer, slots=args.workers).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kube-userspace-proxy worker")
     parser.add_argument("--fd", type=int, required=True, help="the channel's descriptor")
     parser.add_argument("--index", type=int, required=True, help="this worker's number")
+    parser.add_argument("--workers", type=int, default=1, help="how many workers serve (default 1)")
     parser.add_argument("-v", dest="verbosity", type=int, default=0)
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop")

@@ -1,9 +1,9 @@
 """ManifestSource: Services and EndpointSlices from YAML/JSON files, reloaded when they change.
 
 The same objects `kubectl apply -f` takes (multi-document YAML, `kind: List`); a Node named as
-this node gives its addresses and podCIDRs, as the API source's Node watch does; other kinds
-are ignored. A file that stops parsing keeps its last good objects until it parses again; nothing in
-a file (nor an unexpected error in a poll) ends the polling.
+this node gives its addresses and zone, as the API's would; other kinds are ignored. A file that
+stops parsing keeps its last good objects until it parses again; nothing in a file (nor an
+unexpected error in a poll) ends the polling.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal
 
 import yaml
 
@@ -27,6 +27,7 @@ log = logs.get(__name__)
 
 SUFFIXES = frozenset({".yaml", ".yml", ".json"})
 KINDS: tuple[Kind, ...] = ("Service", "EndpointSlice")
+ManifestKind = Literal["Service", "EndpointSlice", "Node"]
 MAX_LIST_DEPTH = 16  # `kind: List` inside `kind: List` ...; deeper is refused as malformed
 
 # What identifies a file's content cheaply: a rewrite, a rename over it or an append changes it.
@@ -36,11 +37,10 @@ Signature = tuple[int, int, int, int]  # (mtime_ns, size, inode, device)
 @dataclass(frozen=True, slots=True)
 class _Loaded:
     signature: Signature
-    objects: tuple[tuple[Kind, dict[str, Any]], ...]
-    nodes: tuple[dict[str, Any], ...] = ()
+    objects: tuple[tuple[ManifestKind, dict[str, Any]], ...]
 
 
-def read_manifest(path: Path) -> list[tuple[str, dict[str, Any]]]:
+def read_manifest(path: Path) -> list[tuple[ManifestKind, dict[str, Any]]]:
     """The Services and EndpointSlices of one file; raises ManifestError naming file:line."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -66,13 +66,13 @@ def read_manifest(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return _objects(documents, path)
 
 
-def _objects(documents: Sequence[Any], path: Path) -> list[tuple[str, dict[str, Any]]]:
+def _objects(documents: Sequence[Any], path: Path) -> list[tuple[ManifestKind, dict[str, Any]]]:
     """The Services and EndpointSlices in documents, `kind: List` items flattened in order.
 
     Iterative, and each List is walked once: YAML aliases can make a List contain itself,
     or share one List many times over (exponential work); both are a ManifestError.
     """
-    found: list[tuple[str, dict[str, Any]]] = []
+    found: list[tuple[ManifestKind, dict[str, Any]]] = []
     walked: set[int] = set()  # id() of every List (and items array) walked so far
     stack: list[Iterator[Any]] = [iter(documents)]
     while stack:
@@ -96,7 +96,7 @@ def _objects(documents: Sequence[Any], path: Path) -> list[tuple[str, dict[str, 
             walked.update(ids)
             stack.append(iter(items if isinstance(items, list) else ()))
         elif kind == "Node":
-            found.append(("Node", document))
+            found.append(("Node", document))  # a Node has no namespace
         elif kind in KINDS:
             metadata = document.get("metadata")
             # As kubectl: an object without a namespace goes to "default".
@@ -130,12 +130,9 @@ class ManifestSource:
         state: StateSink,
         *,
         poll_interval: float = 0.5,
-        node_name: str | None = None,
     ) -> None:
         self.paths = tuple(Path(p) for p in paths)
         self.state = state
-        self.node_name = node_name
-        """The Node whose object (if a file has it) is fed to the state; None: none is."""
         self.poll_interval = poll_interval
         self._loaded: dict[Path, _Loaded] = {}
         self._order: list[Path] = []  # files in command-line / directory order: later ones win
@@ -143,7 +140,6 @@ class ManifestSource:
         self._first = True
         self._generation = 0  # bumped whenever the loaded objects change ...
         self._fed = 0  # ... and the generation the state last took
-        self._had_node = False  # a Node of this node was fed: its removal is fed too
         self.polls = 0  # polls done; reloads: polls that found changed objects
         self.reloads = 0
         self.errors = 0
@@ -266,11 +262,7 @@ class ManifestSource:
             if path in self._failed:
                 log.info("manifest %s parses again", path)
                 del self._failed[path]
-            self._loaded[path] = _Loaded(
-                signature,
-                tuple((cast(Kind, k), o) for k, o in objects if k != "Node"),
-                tuple(o[1] for o in objects if o[0] == "Node"),
-            )
+            self._loaded[path] = _Loaded(signature, objects)
             self._generation += 1
             changed = True
         self._first = False
@@ -301,9 +293,15 @@ class ManifestSource:
 
     def _feed(self) -> None:
         by_kind: dict[Kind, dict[tuple[str, str], Mapping[str, Any]]] = {k: {} for k in KINDS}
+        node: Mapping[str, Any] | None = None
         for path in self._order:
             loaded = self._loaded.get(path)
             for kind, obj in loaded.objects if loaded is not None else ():
+                if kind == "Node":
+                    meta = obj.get("metadata")
+                    if isinstance(meta, dict) and meta.get("name") == self.state.node_name:
+                        node = obj
+                    continue
                 meta = obj.get("metadata")
                 key = (
                     (str(meta.get("namespace")), str(meta.get("name")))
@@ -313,17 +311,6 @@ class ManifestSource:
                 if key in by_kind[kind]:
                     log.warning("%s %s/%s in %s overrides an earlier one", kind, *key, path)
                 by_kind[kind][key] = obj
+        self.state.set_node(node)
         for kind in KINDS:
             self.state.replace(kind, list(by_kind[kind].values()))
-        mine = [
-            node
-            for path in self._order
-            if (loaded := self._loaded.get(path)) is not None
-            for node in loaded.nodes
-            if self.node_name is not None
-            and isinstance(node.get("metadata"), dict)
-            and node["metadata"].get("name") == self.node_name
-        ]
-        if mine or self._had_node:
-            self.state.set_node(mine[-1] if mine else None)
-            self._had_node = bool(mine)
