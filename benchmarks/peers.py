@@ -11,6 +11,8 @@ chosen by client address; the client namespace SNATs its connections to them in 
   proxy-auto  `kube-userspace-proxy run` with the default `--workers auto` (N processes)
   haproxy     Debian's HAProxy, `mode tcp`, `balance roundrobin`, `nbthread N`
   nginx       Debian's nginx stream module, `worker_processes N`, round robin
+  tproxy-1, tproxy-auto   (only when named in --peers) proxy-1 and proxy-auto with
+              `--preserve-source-ip`: every backend sees the client's own address
 
 N is what `--workers auto` resolves to here (the CPUs this process may run on, at most 4).
 HAProxy and nginx listen in the node namespace and get the ClusterIP's connections through a
@@ -135,6 +137,9 @@ stream {{
 # Short-lived children of a peer, left out of its sums.
 PEERS = ("kernel", "proxy-1", "proxy-auto", "haproxy", "nginx")
 BASELINE_PEERS = ("base-1", "base-auto")  # with --baseline SRC: this proxy from another tree
+# Only when named in --peers: this proxy with --preserve-source-ip, every dial from the client's
+# address (the pods are on this node: --hostname-override names the node their slices name).
+TRANSPARENT_PEERS = ("tproxy-1", "tproxy-auto")
 # A proxied connection holds two descriptors: 9,400 of them fit under RLIMIT_NOFILE 20,000.
 MAX_PROXIED = 9400
 
@@ -180,6 +185,7 @@ class ThisProxy(Peer):
     workers: str = "1"
     backend: str = "restore"
     src: str | None = None  # another checkout's src/ (--baseline): run its code instead
+    extra: tuple[str, ...] = ()  # more flags, e.g. --preserve-source-ip
     proxy: Proxy | None = field(default=None, repr=False)
 
     def start(self, bed: Testbed, tmp: Path) -> None:
@@ -197,7 +203,7 @@ class ThisProxy(Peer):
             self.backend,
             manifest,
             tmp / f"{self.key}.log",
-            (*flags, "--workers", self.workers),
+            (*flags, "--workers", self.workers, *self.extra),
             wrapper=() if self.src is None else ("env", f"PYTHONPATH={self.src}"),
         )
         self.proxy.start()
@@ -314,6 +320,9 @@ def wait_listening(
     wait_for(up, f"listening on {ports}")
 
 
+_TRANSPARENT = ("--preserve-source-ip", "--hostname-override", "node")
+
+
 def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[Peer]:
     """The peers; peer i has ClusterIPs 10.96.0.1i (web) and .2i (bulk) and `clients` client
     addresses from 10.244.1.(32 + 8i) up. `baseline`: also this proxy from that `src/`."""
@@ -336,6 +345,22 @@ def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[
         ),
         Haproxy("haproxy", f"{haproxy.split('-')[0]}, nbthread {WORKERS}", *at(3), threads=WORKERS),
         NginxStream("nginx", f"{nginx} stream, {WORKERS} workers", *at(4), workers=WORKERS),
+        ThisProxy(
+            "tproxy-1",
+            "this proxy, --workers 1 --preserve-source-ip",
+            *at(7),
+            workers="1",
+            backend=backend,
+            extra=_TRANSPARENT,
+        ),
+        ThisProxy(
+            "tproxy-auto",
+            f"this proxy, --workers auto ({WORKERS}) --preserve-source-ip",
+            *at(8),
+            workers="auto",
+            backend=backend,
+            extra=_TRANSPARENT,
+        ),
         *(
             []
             if baseline is None
@@ -911,8 +936,9 @@ def main() -> int:
     if args.baseline is not None:
         args.baseline = str(Path(args.baseline).resolve())
         wanted |= set(BASELINE_PEERS)
-    if wanted - set(PEERS) - set(BASELINE_PEERS):
-        parser.error(f"unknown peers {sorted(wanted - set(PEERS))}; known: {', '.join(PEERS)}")
+    known = {*PEERS, *BASELINE_PEERS, *TRANSPARENT_PEERS}
+    if wanted - known:
+        parser.error(f"unknown peers {sorted(wanted - known)}; known: {', '.join(sorted(known))}")
     reason = available() or install_missing(PACKAGES, extra="bench")
     if reason:
         print(f"peers: {reason}", file=sys.stderr)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.model import Address, Endpoint, ServicePortName
+from kube_userspace_proxy.model import Address, Endpoint, ServicePortName, SourcePolicy
 
 log = logs.get(__name__)
 
@@ -87,6 +88,24 @@ def usable_endpoints(
     return tuple(e for e in endpoints if e.serving and e.terminating)
 
 
+def on_node(endpoints: Sequence[Endpoint], node_name: str | None) -> frozenset[Address]:
+    """The addresses of the endpoints that run on `node_name` (none when it is unknown)."""
+    if node_name is None:
+        return frozenset()
+    return frozenset(e.address for e in endpoints if e.node_name == node_name)
+
+
+Transparency = tuple[tuple[str, ...] | None, tuple[Address, ...]]
+"""A pool's transparent-dialing inputs as plain tuples (the worker table is marshalled):
+(the source policy's local-client CIDRs, None while the mode is off; the local endpoints)."""
+
+
+@functools.lru_cache(maxsize=8)
+def source_policy(client_cidrs: tuple[str, ...] | None) -> SourcePolicy | None:
+    """The SourcePolicy of a `Transparency`'s CIDRs (one object per value in a process)."""
+    return None if client_cidrs is None else SourcePolicy(client_cidrs)
+
+
 RECENT_PICKS = 32
 """Picks remembered per pool for /debug/ui (a power of two: the ring index is a mask)."""
 _RECENT_MASK = RECENT_PICKS - 1
@@ -129,16 +148,22 @@ class PoolView(Protocol):
         """PROXY protocol version sent to the endpoints (1, 2; 0: none)."""
         ...
 
+    @property
+    def transparency(self) -> Transparency:
+        """The transparent-dialing inputs the workers need (--preserve-source-ip)."""
+        ...
+
 
 class EndpointTally:
     """Counters of one endpoint in one pool, plain ints the data plane bumps (see Picker).
 
     TCP: `active` open connections, `total` connections that reached it; UDP: sessions.
     `bytes_in` client -> endpoint, `bytes_out` endpoint -> client; `dial_failures` its
-    failed dials. Kept across endpoint updates while the address stays.
+    failed dials. Kept across endpoint updates while the address stays. `local`: the
+    endpoint runs on this node (its replies leave through this node).
     """
 
-    __slots__ = ("active", "address", "bytes_in", "bytes_out", "dial_failures", "total")
+    __slots__ = ("active", "address", "bytes_in", "bytes_out", "dial_failures", "local", "total")
 
     def __init__(self, address: Address) -> None:
         self.address = address
@@ -147,6 +172,7 @@ class EndpointTally:
         self.bytes_in = 0
         self.bytes_out = 0
         self.dial_failures = 0
+        self.local = False
 
     def values(self) -> tuple[int, int, int, int, int]:
         """(active, total, bytes_in, bytes_out, dial_failures)."""
@@ -177,6 +203,7 @@ class EndpointPool:
         max_affinity_entries: int = DEFAULT_MAX_AFFINITY_ENTRIES,
         slot: int = 0,
         slots: int = 1,
+        source: SourcePolicy | None = None,
     ) -> None:
         self.name = name
         self.penalty_seconds = penalty_seconds
@@ -209,6 +236,9 @@ class EndpointPool:
         self._picks = 0
         self.proxy_protocol = 0
         """PROXY protocol version the data plane sends these endpoints first (0: none)."""
+        self.source: SourcePolicy | None = source
+        """Transparent dialing (--preserve-source-ip) and the node's local clients; None: off."""
+        self._local: frozenset[Address] = frozenset()
         self.take_slot(slot, slots)
 
     # -- reading -------------------------------------------------------------------------------
@@ -227,6 +257,26 @@ class EndpointPool:
     def addresses(self) -> tuple[Address, ...]:
         """The usable endpoint addresses, in round-robin order."""
         return self._addresses
+
+    @property
+    def local_addresses(self) -> tuple[Address, ...]:
+        """The usable endpoints that run on this node, in round-robin order."""
+        return tuple(a for a in self._addresses if a in self._local)
+
+    def source_choices(self) -> dict[Address, str]:
+        """Per usable endpoint, the source address its dials get under --preserve-source-ip:
+        `client` (it runs on this node: every client keeps its address) or `client-if-pod`
+        (this node's pods keep theirs, other clients dial from the node). {} while off."""
+        if self.source is None:
+            return {}
+        local = self._local
+        return {a: "client" if a in local else "client-if-pod" for a in self._addresses}
+
+    @property
+    def transparency(self) -> Transparency:
+        """The source policy's CIDRs (None: off) and the local endpoints, for the workers."""
+        source = self.source
+        return (None if source is None else source.client_cidrs, self.local_addresses)
 
     @property
     def affinity_timeout(self) -> float | None:
@@ -279,8 +329,15 @@ class EndpointPool:
 
     # -- changing ------------------------------------------------------------------------------
 
-    def update(self, endpoints: Sequence[Endpoint], *, affinity_timeout: float | None) -> None:
-        """Take a new endpoint list and the Service's current affinity timeout.
+    def update(
+        self,
+        endpoints: Sequence[Endpoint],
+        *,
+        affinity_timeout: float | None,
+        local: frozenset[Address] = frozenset(),
+    ) -> None:
+        """Take a new endpoint list, the Service's current affinity timeout and which of the
+        endpoints run on this node (`local`, see `on_node`).
 
         The cursor stays on the endpoint it pointed at (or the next one that survives), pins to
         surviving endpoints are kept and the new timeout applies to them at once.
@@ -290,12 +347,18 @@ class EndpointPool:
         if self._timeout is None:
             self._pinned.clear()
             self._pin_used.clear()
+        if local != self._local:
+            self._local = local
+            for tally in self._tallies:
+                tally.local = tally.address in local
         if addresses == self._addresses:
             return
         old = self._addresses
         self._addresses = addresses
         tally_of = self._tally_of
         self._tally_of = {a: tally_of.get(a) or EndpointTally(a) for a in addresses}
+        for a, tally in self._tally_of.items():
+            tally.local = a in local
         self._tallies = tuple(self._tally_of[a] for a in addresses)
         if self._picks == self._fresh_at:
             self._cursor = self._start(len(addresses))

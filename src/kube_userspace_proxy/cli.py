@@ -159,6 +159,8 @@ def _default_text(flag: Field) -> str:
     value = getattr(DEFAULTS, flag.name)
     if flag.kind == "duration":
         return format_duration(value)
+    if flag.kind == "hex":
+        return hex(value)
     if isinstance(value, tuple):
         return ",".join(value) or "none"
     return str(value) if value not in ("", None) else "none"
@@ -170,6 +172,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         "duration": _duration,
         "float": float,
         "int": int,
+        "hex": lambda text: int(text, 0),  # 0x1000 or 4096
         "csv": _csv,
         "choice": str,
         "bool": _bool,

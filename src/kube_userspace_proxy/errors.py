@@ -33,3 +33,7 @@ class ManifestError(ProxyError):
 
 class PortalsError(ProxyError):
     """iptables rules could not be read or applied."""
+
+
+class PrerequisiteError(ProxyError):
+    """The node or the process lacks what a requested mode needs; names it (exit code 1)."""

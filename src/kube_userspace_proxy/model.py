@@ -92,6 +92,19 @@ class ServicePortInfo:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class SourcePolicy:
+    """Transparent dialing is on (--preserve-source-ip): the node's local-client CIDRs.
+
+    A client in one of `client_cidrs` is a pod of this node (the Node's spec.podCIDRs, or the
+    cluster CIDR when kube-proxy's detectLocalMode says ClusterCIDR); its replies come back
+    through this node from any endpoint. An endpoint on this node (`local` in the pool) keeps
+    every client's address. Pools carry None while the mode is off.
+    """
+
+    client_cidrs: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Endpoint:
     """One backend address of a service port, with its EndpointSlice conditions."""
@@ -145,6 +158,11 @@ class Desired:
     """Service changes folded in since the previous one."""
     endpoint_changes: int = 0
     """EndpointSlice changes folded in since the previous one."""
+    pod_cidrs: tuple[str, ...] = ()
+    """The own Node's spec.podCIDRs (empty: unknown or none)."""
+    source: SourcePolicy | None = None
+    """Transparent dialing (--preserve-source-ip) with the node's local-client CIDRs; None
+    while the mode is off. Set by the app from the configuration and `pod_cidrs`."""
 
     def endpoints_of(self, name: ServicePortName) -> tuple[Endpoint, ...]:
         return self.endpoints.get(name, ())

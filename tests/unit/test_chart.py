@@ -102,6 +102,9 @@ def with_value(dotted: str, value: Any) -> dict[str, Any]:
         ("extraArgs", ["v=4"]),
         ("livenessProbe.path", "/metrics"),
         ("typo", True),
+        ("preserveSourceIP.mark", "0x3000"),  # one bit only
+        ("preserveSourceIP.table", 254),  # the kernel's main table
+        ("preserveSourceIP.enabled", "yes"),
     ],
 )
 def test_schema_rejects_bad_values(dotted: str, bad: Any) -> None:
@@ -118,6 +121,8 @@ def test_schema_rejects_bad_values(dotted: str, bad: Any) -> None:
         ("config.iptables.syncPeriod", "1m30s"),
         ("config.portRange", "30000-30100"),
         ("apiServer.host", "kind-control-plane"),
+        ("preserveSourceIP.mark", "0x20000000"),
+        ("preserveSourceIP.table", 7000),
     ],
 )
 def test_schema_accepts_good_values(dotted: str, good: Any) -> None:
@@ -658,3 +663,20 @@ def test_no_memory_limit_and_a_request_from_measured_rss() -> None:
     # An OOM kill cuts every proxied connection on the node (docs/failure-modes.md).
     assert "limits" not in VALUES["resources"]
     assert VALUES["resources"]["requests"]["memory"] == "192Mi"
+
+
+def test_preserve_source_ip_passes_the_flags_the_proxy_accepts() -> None:
+    values = {**KIND_VALUES, "preserveSourceIP": {"enabled": True, "mark": "0x20000", "table": 7}}
+    pod = render(values)["DaemonSet"]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    flags = ["--preserve-source-ip", "--transparent-mark=0x20000", "--transparent-table=7"]
+    assert all(flag in args for flag in flags)
+    parsed = cli.make_parser().parse_args(["run", *flags])
+    config = cli.parse_config(parsed)
+    assert (config.preserve_source_ip, config.transparent_mark, config.transparent_table) == (
+        True,
+        0x20000,
+        7,
+    )
+    plain = render(KIND_VALUES)["DaemonSet"]["spec"]["template"]["spec"]
+    assert not any("transparent" in a or "preserve" in a for a in plain["containers"][0]["args"])

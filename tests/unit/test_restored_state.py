@@ -166,6 +166,38 @@ def test_bad_proxy_ports_and_node_ips_are_dropped_alone(caplog: pytest.LogCaptur
     assert sum("nodeIPs[" in w for w in warnings) == 2
 
 
+def test_the_nodes_zone_and_pod_cidrs_read_back() -> None:
+    snapshot, _ = statefile.decode(_document(_entry()), node_name=NODE)
+    snapshot = dataclasses.replace(
+        snapshot, node_zone="zone-a", pod_cidrs=("10.244.1.0/24", "fd00:1::/64")
+    )
+    again, _ = statefile.decode(statefile.encode(snapshot, {}), node_name=NODE)
+    assert (again.node_zone, again.pod_cidrs) == ("zone-a", ("10.244.1.0/24", "fd00:1::/64"))
+
+
+def test_bad_pod_cidrs_are_dropped_alone(caplog: pytest.LogCaptureFixture) -> None:
+    cidrs = ["10.244.1.0/24", "10.244.1.0/33", "nonsense", 7, "fd00:1::/64"]
+    snapshot, _ = statefile.decode(_document(_entry(), podCIDRs=cidrs), node_name=NODE)
+    assert snapshot.pod_cidrs == ("10.244.1.0/24", "fd00:1::/64")
+    assert snapshot.services  # the rest is served
+    warnings = _warnings(caplog)
+    assert len(warnings) == 3, warnings
+    assert all("podCIDRs[" in w for w in warnings)
+
+
+@pytest.mark.parametrize(("value", "warned"), [(None, 0), ({"a": 1}, 1), ("10.0.0.0/8", 1)])
+def test_pod_cidrs_that_are_absent_or_not_a_list_restore_as_none(
+    value: Any, warned: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    document = json.loads(_document(_entry(), podCIDRs=value))
+    if value is None:
+        del document["podCIDRs"]  # a file that predates them
+    snapshot, _ = statefile.decode(json.dumps(document).encode(), node_name=NODE)
+    assert snapshot.pod_cidrs == ()
+    assert snapshot.services
+    assert len(_warnings(caplog)) == warned
+
+
 @pytest.mark.parametrize("part", ["servicePorts", "proxyPorts", "nodeIPs"])
 def test_a_document_whose_lists_are_not_lists_is_refused_whole(part: str) -> None:
     with pytest.raises(statefile.StateFileError, match=part):

@@ -38,7 +38,13 @@ from kube_userspace_proxy.workers.protocol import (
 
 KEY = ("TCP", "10.0.0.1", 30080)
 UDP_KEY = ("UDP", "fd00::1", 30053)
-POOL = (("default", "web", "http", "TCP"), (("10.1.0.1", 8080), ("10.1.0.2", 8080)), 10800.0, 0)
+POOL = (
+    ("default", "web", "http", "TCP"),
+    (("10.1.0.1", 8080), ("10.1.0.2", 8080)),
+    10800.0,
+    0,
+    (("10.244.1.0/24",), (("10.1.0.1", 8080),)),
+)
 SETTINGS = Settings(0.25, 15.0)
 VIEW = PoolView(
     3,
@@ -145,6 +151,10 @@ pools = st.tuples(
     st.lists(addresses, max_size=5).map(tuple),
     st.none() | st.floats(0, 86400),
     st.integers(0, 2),
+    st.tuples(
+        st.none() | st.lists(st.text(max_size=20), max_size=3).map(tuple),
+        st.lists(addresses, max_size=3).map(tuple),
+    ),
 )
 listeners = st.lists(st.tuples(keys, st.text(), st.integers(1, 10**6), st.integers(0, 1)))
 routes = st.dictionaries(keys, st.lists(st.integers(-1, 63), max_size=8).map(tuple))

@@ -94,7 +94,7 @@ async def adopt(proxy: Proxy, taken: handover.Taken) -> None:
     proxy.proxier.adopt(claims, node_ports)
     proxy.service_health.adopt(health)
     await proxy.restore((snapshot, ports), source=f"what process {taken.peer} handed over")
-    await proxy.service_health.sync(proxy.with_node_ips(snapshot))
+    await proxy.service_health.sync(proxy.configured(snapshot))
 
 
 async def take_over(proxy: Proxy, taken: handover.Taken) -> None:

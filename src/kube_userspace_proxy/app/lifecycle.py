@@ -276,7 +276,7 @@ async def rules_text(config: ProxyConfig) -> str:
         external = next_port + 1 if info.paths_differ else cluster
         next_port = external + 1
         ports.append(ProxiedPort(info, cluster, external))
-    node_ips = proxy.with_node_ips(snapshot).node_ips
+    node_ips = proxy.configured(snapshot).node_ips
     lines = [
         f"# {len(ports)} service port(s); node IPs: "
         + (", ".join(node_ips) or "none known (pass --node-ip)"),

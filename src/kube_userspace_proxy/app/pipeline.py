@@ -40,7 +40,7 @@ class Pipeline:
         service_health: ServiceHealthServers,
         saver: StateSaver,
         first_build: collector.Hold,
-        with_node_ips: Callable[[Snapshot | Change], Snapshot | Change],
+        configured: Callable[[Snapshot | Change], Snapshot | Change],
         sync_lock: asyncio.Lock,
         apply_lock: asyncio.Lock,
         min_sync_period: float,
@@ -53,7 +53,7 @@ class Pipeline:
         self._service_health = service_health
         self._saver = saver
         self._first_build = first_build
-        self._with_node_ips = with_node_ips
+        self._configured = configured
         self._sync_lock = sync_lock
         self._apply_lock = apply_lock
         self.synced_once = asyncio.Event()
@@ -157,7 +157,7 @@ class Pipeline:
 
     def _snapshot(self, snapshot: Snapshot | Change) -> Snapshot | Change:
         self._health.set_node_eligible(self._state.node_eligible)
-        return self._with_node_ips(snapshot)
+        return self._configured(snapshot)
 
     async def _after(self, snapshot: Snapshot | Change, *, live: float | None = None) -> None:
         """What follows each sync and each apply: health servers, metrics, latency, state file.

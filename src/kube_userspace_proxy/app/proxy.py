@@ -19,12 +19,19 @@ from kube_userspace_proxy.app.saver import StateSaver
 from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.config.settings import ProxyConfig
+from kube_userspace_proxy.errors import PrerequisiteError
 from kube_userspace_proxy.model import ClaimKey, Desired, ProxiedPort, Snapshot
 from kube_userspace_proxy.ops.health import ProxyHealth
 from kube_userspace_proxy.ops.metrics import ProxyMetrics
 from kube_userspace_proxy.ops.server import OpsServer
 from kube_userspace_proxy.ops.servicehealth import ServiceHealthServers
-from kube_userspace_proxy.portals import Portals, StaleFlows, explain, make_backend
+from kube_userspace_proxy.portals import (
+    Portals,
+    StaleFlows,
+    check_transparent,
+    explain,
+    make_backend,
+)
 from kube_userspace_proxy.ports import PortAllocator
 from kube_userspace_proxy.proxier.contracts import DataPlane
 from kube_userspace_proxy.proxier.local import LocalDataPlane
@@ -114,12 +121,17 @@ class Proxy:
             self.proxier.port_stats,
             self.proxier.open_ports,
             per_service_port=config.metrics_per_service_port,
+            transparent=config.preserve_source_ip,
             ip_families=_families(config.bind_address),
         )
         if self.workers is not None:
             self.metrics.follow_workers(self.workers)
         self.service_health = ServiceHealthServers(self.health, self._node_port_addresses)
         backend_kind = config.iptables_backend
+        if config.preserve_source_ip:  # before anything is installed: all of it, or none
+            check_transparent(config.transparent_mark, config.transparent_table)
+            if backend_kind == "none":
+                raise PrerequisiteError("--preserve-source-ip needs iptables rules, not none")
         if backend_kind == "auto" and os.geteuid() != 0:
             log.warning(
                 "not running as root: serving proxy ports only, no iptables rules "
@@ -136,6 +148,9 @@ class Proxy:
                 nodeport_addresses=config.nodeport_addresses,
                 guard_proxy_ports=config.guard_proxy_ports,
                 verify_period=config.verify_period,
+                transparent=(config.transparent_mark, config.transparent_table)
+                if config.preserve_source_ip
+                else None,
                 flows=StaleFlows(),
             )
             self.metrics.follow_flows(portals.flows)
@@ -158,7 +173,7 @@ class Proxy:
             service_health=self.service_health,
             saver=self.saver,
             first_build=self.first_build,
-            with_node_ips=self.with_node_ips,
+            configured=self.configured,
             sync_lock=self._sync_lock,
             apply_lock=self._apply_lock,
             min_sync_period=config.min_sync_period,
@@ -181,11 +196,14 @@ class Proxy:
             nodeport_addresses=config.nodeport_addresses,
         )
 
-    def with_node_ips(self, snapshot: D) -> D:
-        """`snapshot` with the node IPs that apply: `--node-ip`'s when given, else the Node
-        object's (which the snapshot carries)."""
+    def configured(self, snapshot: D) -> D:
+        """`snapshot` with what the configuration decides: the node IPs that apply
+        (`--node-ip`'s when given, else the Node object's, which the snapshot carries) and the
+        source policy (`--preserve-source-ip`, from the snapshot's podCIDRs; None while off)."""
         if self.config.node_ips:
-            return replace(snapshot, node_ips=self.config.node_ips)
+            snapshot = replace(snapshot, node_ips=self.config.node_ips)
+        if self.config.preserve_source_ip:
+            snapshot = replace(snapshot, source=self.config.source_policy(snapshot.pod_cidrs))
         return snapshot
 
     def _node_port_addresses(self) -> Sequence[str]:
@@ -220,7 +238,7 @@ class Proxy:
         again, so its Services answer while the API server is away.
         """
         snapshot, ports = saved
-        snapshot = self.with_node_ips(snapshot)
+        snapshot = self.configured(snapshot)  # --preserve-source-ip: dials as the last run's
         log.info(
             "serving %d service port(s) from %s until the first complete list",
             len(snapshot.services),
@@ -246,7 +264,7 @@ class Proxy:
         """The state served now (before the first sync: what was restored or handed over)."""
         if not self.pipeline.applied_once:
             return self.saver.saved or Snapshot(node_name=self.state.node_name)
-        return self.with_node_ips(self.state.view())
+        return self.configured(self.state.view())
 
     async def collect(self, *, debug: bool = False) -> None:
         """Bring the per-service-port counters up to date (summed from the workers)."""

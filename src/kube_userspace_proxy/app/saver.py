@@ -62,6 +62,7 @@ class StateSaver:
                 and saved.endpoints == snapshot.endpoints
                 and saved.node_ips == snapshot.node_ips
                 and saved.node_zone == snapshot.node_zone
+                and saved.pod_cidrs == snapshot.pod_cidrs
             ):
                 continue
             self.saved = snapshot

@@ -7,6 +7,7 @@ Malformed naming the first one that is wrong; what to do about it is the caller'
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 from collections import Counter
@@ -80,6 +81,8 @@ class NodeFacts:
     """False while the Node is being deleted or tainted for scale-down."""
     zone: str = ""
     """Its `topology.kubernetes.io/zone` label ("": none)."""
+    pod_cidrs: tuple[str, ...] = ()
+    """Its spec.podCIDRs, canonical (transparent proxying's local clients)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,7 +496,7 @@ def trigger_time(obj: Mapping[str, Any]) -> float | None:
 
 
 def parse_node(node: Mapping[str, Any]) -> NodeFacts:
-    """The own Node's IPs, eligibility and zone; raises Malformed naming a bad field."""
+    """The own Node's IPs, eligibility, zone and podCIDRs; raises Malformed naming a bad field."""
     meta = _mapping(node, "metadata", "")
     zone = _labels(meta).get(LABEL_TOPOLOGY_ZONE) or ""
     eligible = not meta.get("deletionTimestamp")
@@ -509,4 +512,19 @@ def parse_node(node: Mapping[str, Any]) -> NodeFacts:
             raise Malformed(f"{where}: expected an object, got {address!r}")
         if address.get("type") in {"InternalIP", "ExternalIP"}:
             ip_address(address.get("address"), f"{where}.address")
-    return NodeFacts(addresses.node_ips(node), eligible, zone)
+    return NodeFacts(addresses.node_ips(node), eligible, zone, _pod_cidrs(node))
+
+
+def _pod_cidrs(node: Mapping[str, Any]) -> tuple[str, ...]:
+    """The Node's spec.podCIDRs (spec.podCIDR when only that is set); malformed ones left out."""
+    spec = node.get("spec")
+    if not isinstance(spec, Mapping):
+        return ()
+    listed = spec.get("podCIDRs") or ([spec["podCIDR"]] if spec.get("podCIDR") else [])
+    cidrs = []
+    for cidr in listed if isinstance(listed, list) else []:
+        try:
+            cidrs.append(str(ipaddress.ip_network(str(cidr), strict=False)))
+        except ValueError:
+            log.debug("Node: bad podCIDR %r", cidr)
+    return tuple(cidrs)

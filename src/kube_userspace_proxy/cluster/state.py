@@ -81,6 +81,7 @@ class ClusterState:
         self._node_ips: tuple[str, ...] = ()
         self._node_eligible = True
         self._node_zone = ""
+        self._pod_cidrs: tuple[str, ...] = ()
         # Snapshot parts kept between snapshots; only services marked dirty are rebuilt.
         self._dirty: set[Key] = set()
         self._built: dict[Key, tuple[ServicePortName, ...]] = {}
@@ -179,7 +180,8 @@ class ClusterState:
             self.on_change()
 
     def set_node(self, node: Mapping[str, Any] | None) -> None:
-        """Take the own Node object (None: unknown or gone): addresses, eligibility, zone."""
+        """Take the own Node object (None: unknown or gone): addresses, eligibility, zone,
+        podCIDRs."""
         facts = NodeFacts((), True)
         if node is not None:
             try:
@@ -187,17 +189,19 @@ class ClusterState:
             except Exception as exc:
                 log.warning("skipping Node %s: %s", _name_of(node), exc)
                 return
-        if facts == NodeFacts(self._node_ips, self._node_eligible, self._node_zone):
+        known = NodeFacts(self._node_ips, self._node_eligible, self._node_zone, self._pod_cidrs)
+        if facts == known:
             return
         if not facts.eligible and self._node_eligible:
             log.info("node %s is being deleted: reporting not eligible", _name_of(node))
-        if (facts.ips, facts.zone) != (self._node_ips, self._node_zone):
+        if (facts.ips, facts.zone, facts.pod_cidrs) != (known.ips, known.zone, known.pod_cidrs):
             if facts.zone != self._node_zone:
                 log.info("node zone is now %r (was %r)", facts.zone, self._node_zone)
-            # Zone hints, NodePort addresses (`primary`): every service port is chosen again.
+            # Zone hints, NodePort addresses (`primary`), local clients (podCIDRs): every
+            # service port is chosen again.
             self._touched.update(self._snap_services)
         self._node_ips, self._node_eligible = facts.ips, facts.eligible
-        self._node_zone = facts.zone
+        self._node_zone, self._pod_cidrs = facts.zone, facts.pod_cidrs
         self.on_change()
 
     # -- output ---------------------------------------------------------------------------
@@ -232,6 +236,7 @@ class ClusterState:
             node_name=self.node_name,
             node_ips=self._node_ips,
             node_zone=self._node_zone,
+            pod_cidrs=self._pod_cidrs,
         )
 
     def _rebuild_dirty(self) -> None:
@@ -256,6 +261,7 @@ class ClusterState:
             node_name=self.node_name,
             node_ips=self._node_ips,
             node_zone=self._node_zone,
+            pod_cidrs=self._pod_cidrs,
             trigger_times=times,
             service_changes=changes[0],
             endpoint_changes=changes[1],

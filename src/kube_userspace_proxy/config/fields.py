@@ -21,7 +21,8 @@ class Field:
     name: str
     """The ProxyConfig field it sets; the docstring under that field is the flag's help."""
     kind: str
-    """How the flag's value is read: str, duration, float, int, csv, choice or bool."""
+    """How the flag's value is read: str, duration, float, int, hex (0x1000 or 4096), csv,
+    choice or bool."""
     unit: str = ""
     """The unit --help names (durations name theirs)."""
     choices: tuple[str, ...] = ()
@@ -176,6 +177,9 @@ RUN_FIELDS: tuple[Field, ...] = (
     Field("--state-dir", "state_dir", "str", "path"),
     Field("--after-handover", "after_handover", "choice", "", ("exit", "wait")),
     Field("--loopback-endpoints", "loopback_endpoints", "choice", "", ("auto", "allow", "deny")),
+    Field("--preserve-source-ip", "preserve_source_ip", "bool", "true|false"),
+    Field("--transparent-mark", "transparent_mark", "hex", "one bit, e.g. 0x1000"),
+    Field("--transparent-table", "transparent_table", "int", "table number"),
 )
 """The `run` (and `rules`) command's setting flags, in --help order."""
 

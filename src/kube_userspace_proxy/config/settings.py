@@ -22,6 +22,7 @@ from kube_userspace_proxy.config import kubeproxy as kpc
 from kube_userspace_proxy.config import validation
 from kube_userspace_proxy.config.fields import APPLIED_PATHS, FILE_FIELDS
 from kube_userspace_proxy.errors import ConfigError, InvalidConfigError
+from kube_userspace_proxy.model import SourcePolicy
 
 log = logs.get(__name__)
 
@@ -90,6 +91,15 @@ def split_host_port(text: str) -> tuple[str, int]:
 
 
 Backend = Literal["auto", "iptc", "restore", "none"]
+TRANSPARENT_MARK = 0x1000
+"""--transparent-mark's default: bit 12. kube-proxy uses 0x4000 and 0x8000, CNI portmap 0x2000,
+Calico 0xffff0000 (iptablesMarkMask), Cilium 0x0f00 (magic marks) and identities above 16
+bits, Weave 0x20000/0x40000, Istio 0x539 (1337) and 0x10-0x200, AWS VPC CNI 0x80."""
+TRANSPARENT_TABLE = 4040
+"""--transparent-table's default. Taken elsewhere: 1-250 (Calico's routeTableRange), 52
+(Tailscale), 77-79 (kube-router), 100-103 and 133 (Istio), 2004-2006 and 2050+ (Cilium),
+2..N (AWS VPC CNI, one per ENI); 253-255 are the kernel's default, main and local."""
+_RESERVED_MARKS = 0xC000  # kube-proxy's masquerade and drop bits
 MAX_WORKERS = 64
 AUTO_WORKERS_MAX = 4
 
@@ -175,6 +185,47 @@ class ProxyConfig(BaseModel):
     after_handover: Literal["exit", "wait"] = "exit"
     """After handing every socket over to a new process and draining: exit (0), or wait for
     SIGTERM (in a DaemonSet, whose controller deletes the old pod once the new one is ready)."""
+
+    preserve_source_ip: bool = False
+    """Dial backends from the client's own address where the reply comes back through this
+    node (clients that are this node's pods, endpoints on this node); needs CAP_NET_ADMIN."""
+    transparent_mark: int = TRANSPARENT_MARK
+    """The packet-mark bit that sends replies to transparent sockets to the local table."""
+    transparent_table: int = TRANSPARENT_TABLE
+    """The routing table that holds `local default dev lo` for marked replies."""
+
+    @field_validator("transparent_mark")
+    @classmethod
+    def _check_mark(cls, value: int) -> int:
+        if value <= 0 or value >= 1 << 32 or value & (value - 1):
+            raise ValueError("must be one bit (a power of two below 2^32), e.g. 0x1000")
+        if value & _RESERVED_MARKS:
+            raise ValueError("0x4000 and 0x8000 are kube-proxy's masquerade and drop marks")
+        return value
+
+    @field_validator("transparent_table")
+    @classmethod
+    def _check_table(cls, value: int) -> int:
+        if not 1 <= value < 1 << 32 or value in {253, 254, 255}:
+            raise ValueError("must be 1..2^32-1 and not 253-255 (default, main, local)")
+        return value
+
+    def source_policy(self, pod_cidrs: tuple[str, ...]) -> SourcePolicy | None:
+        """The SourcePolicy in force with the Node's `pod_cidrs`; None without the flag.
+
+        This node's pods are its podCIDRs. Without them, kube-proxy's detectLocalMode
+        ClusterCIDR makes the cluster CIDR count (right only where every client of this node's
+        proxy ports inside it is a pod of this node); other modes give no local clients, and
+        only endpoints on this node keep the client's address.
+        """
+        if not self.preserve_source_ip:
+            return None
+        if pod_cidrs:
+            return SourcePolicy(pod_cidrs)
+        mode = str(self.kube_proxy_config.get("detectLocalMode") or "")
+        if mode == "ClusterCIDR" and self.cluster_cidr:
+            return SourcePolicy(tuple(filter(None, self.cluster_cidr.split(","))))
+        return SourcePolicy()
 
     @field_validator("bind_address")
     @classmethod

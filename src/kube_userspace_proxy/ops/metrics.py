@@ -194,9 +194,12 @@ class ProxyMetrics:
         clock: Callable[[], float] = time.time,
         process_metrics: bool = True,
         per_service_port: bool = True,
+        transparent: bool = False,
         ip_families: Sequence[str] = ("IPv4",),
     ) -> None:
-        self._ports = PortMetrics(port_stats, proxy_ports, enabled=per_service_port)
+        self._ports = PortMetrics(
+            port_stats, proxy_ports, enabled=per_service_port, transparent=transparent
+        )
         self._clock = clock
         # Everything but the per-port families: small, formatted by prometheus-client.
         self._base = base = CollectorRegistry(auto_describe=True)

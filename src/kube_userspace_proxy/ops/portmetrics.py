@@ -46,11 +46,33 @@ FIELDS = (
     "udp_dropped_no_descriptors",
     "no_descriptors",
     "udp_sessions_evicted",
+    "source_node",
+    "source_client_pod",
+    "source_local_endpoint",
 )
 """The ConnStats fields metrics reads, in the order of a captured row."""
 
 Row = tuple[int, ...]
 _read_row: Callable[[ConnStats], Row] = operator.attrgetter(*FIELDS)
+
+SOURCE_DIALS = PREFIX + "source_address_dials_total"
+_SOURCE_DIALS_HELP = (
+    "--preserve-source-ip: dials (TCP connections, UDP sessions) by the source address they"
+    " got: reason client-pod (the client's address: a pod of this node) and local-endpoint (the"
+    " client's address: the endpoint runs on this node), node (the node's address: an external"
+    " client and a remote endpoint, or the node itself). Only while the mode is on."
+)
+_SOURCE_REASONS = (
+    ("client-pod", FIELDS.index("source_client_pod")),
+    ("local-endpoint", FIELDS.index("source_local_endpoint")),
+    ("node", FIELDS.index("source_node")),
+)
+
+
+def source_dials(captured_rows: Iterable[Row]) -> list[tuple[str, int]]:
+    """(reason, dials) summed over every service port."""
+    rows = list(captured_rows)
+    return [(reason, sum(row[index] for row in rows)) for reason, index in _SOURCE_REASONS]
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +232,7 @@ class PortMetrics:
     """Every service port's counters: captured at scrape time, written as Prometheus text.
 
     `enabled` False leaves the families out (`--metrics-per-service-port`); the proxy port
-    count stays.
+    count stays. `transparent` (--preserve-source-ip) adds SOURCE_DIALS, summed over every port.
     """
 
     def __init__(
@@ -219,8 +241,10 @@ class PortMetrics:
         proxy_ports: Callable[[], int] | None = None,
         *,
         enabled: bool = True,
+        transparent: bool = False,
     ) -> None:
         self.enabled = enabled
+        self.transparent = transparent
         self._port_stats = port_stats
         self._proxy_ports = proxy_ports
         self._layout = _Layout(())
@@ -238,6 +262,15 @@ class PortMetrics:
 
     def render(self, captured: Capture) -> Iterator[bytes]:
         """The families, one chunk each, so a caller on the loop can yield between."""
+        if self.transparent:
+            name = SOURCE_DIALS.removesuffix("_total")
+            yield (
+                f"# HELP {name} {_SOURCE_DIALS_HELP}\n# TYPE {name} counter\n"
+                + "".join(
+                    f'{SOURCE_DIALS}{{reason="{r}"}} {n}\n'
+                    for r, n in source_dials(captured.rows.values())
+                )
+            ).encode()
         if not self.enabled:
             captured = Capture({}, captured.proxy_ports)
         names = tuple(captured.rows)
@@ -265,9 +298,16 @@ class PortCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         captured = self._ports.capture()
+        dials = source_dials(captured.rows.values()) if self._ports.transparent else []
         if not self._ports.enabled:
             captured = Capture({}, captured.proxy_ports)
-        return self._families(captured)
+        families = self._families(captured)
+        if dials:
+            family = CounterMetricFamily(SOURCE_DIALS, _SOURCE_DIALS_HELP, labels=["reason"])
+            for reason, count in dials:
+                family.add_metric([reason], count)
+            families.append(family)
+        return families
 
     @staticmethod
     def _families(captured: Capture) -> list[Metric]:

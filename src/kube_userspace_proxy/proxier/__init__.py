@@ -7,7 +7,8 @@
   the state file's preferences, the allocator; quarantine until no rule names a port.
 - `nodeports`: a real socket per NodePort and address, so nothing else can take it.
 - `debugview`: the /debug/state view, in name order, a run at a time.
-- `served`: what is served now (`Served` per service port) and the listeners retired.
+- `served`: what is served now (`Served` per service port, which puts the usable endpoints
+  of each path into its pool) and the listeners retired.
 - `local`: `LocalDataPlane`, the listeners on this process's event loop (`--workers 1`).
 - `contracts`: the `Listener`, `DataPlane` and `RuleSink` Protocols the proxier drives.
 """

@@ -58,6 +58,11 @@ def entries(
             },
             "knownEndpoints": served.all_endpoints,
             "topology": served.topology or "none",
+            "sourceAddress": {  # --preserve-source-ip: the dial's source, per endpoint
+                str(path): {_show(a): why for a, why in pool.source_choices().items()}
+                for path, pool in served.pools.items()
+                if pool.source is not None
+            },
             "balancer": {
                 str(path): _balancer_json(dataplane.balancer_view(pool))
                 for path, pool in served.pools.items()

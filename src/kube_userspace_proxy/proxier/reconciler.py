@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequenc
 from typing import Any
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.balancer import EndpointPool, topology_mode, usable_endpoints
+from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
@@ -27,6 +27,7 @@ from kube_userspace_proxy.model import (
     ServicePortName,
     Snapshot,
     SocketKey,
+    SourcePolicy,
 )
 from kube_userspace_proxy.ports import DescriptorBudget, PortAllocator
 from kube_userspace_proxy.proxier import debugview
@@ -77,6 +78,7 @@ class Proxier:
         self._errors: dict[ServicePortName, str] = {}
         self._opened: list[Served] = []  # announced once they serve
         self.node_name: str | None = None
+        self.source: SourcePolicy | None = None
         self._node_zone = ""
         self._node_port_now: tuple[str, ...] | None = None  # set while the node's IPs moved
 
@@ -160,10 +162,16 @@ class Proxier:
             await self.commit_rules(force=full)
 
     async def _reconcile(self, snapshot: Snapshot | Change, *, full: bool) -> None:
-        # A new zone or node IPs choose endpoints (hints) and NodePort addresses again.
+        # A new zone or node IPs choose endpoints (hints) and NodePort addresses again; a new
+        # source policy (--preserve-source-ip) reaches every pool, as a new node does.
         node_moved = (snapshot.node_zone, snapshot.node_ips) != (self._node_zone, self.node_ips)
-        same_node = snapshot.node_name == self.node_name and not node_moved
+        same_node = (
+            snapshot.node_name == self.node_name
+            and not node_moved
+            and snapshot.source == self.source
+        )
         self.node_name = snapshot.node_name
+        self.source = snapshot.source
         self._commits.node_ips = snapshot.node_ips
         self._node_zone = snapshot.node_zone
         self._node_port_now = self._node_ports.addresses_now() if node_moved else None
@@ -279,7 +287,7 @@ class Proxier:
                 fresh.append((Path.EXTERNAL, self._open(served, Path.EXTERNAL)))
             elif not info.paths_differ and Path.EXTERNAL in served.listeners:
                 self._retire(served, Path.EXTERNAL)
-            self._update_endpoints(served, snapshot)
+            served.take_endpoints(snapshot)
             # Started once their pools are filled, so a port listens when it is announced.
             for _, listener in fresh:
                 await listener.start()
@@ -292,7 +300,7 @@ class Proxier:
                 self._book.release(info.protocol, listener.port)
                 await listener.close()
             if not new:
-                self._update_endpoints(served, snapshot)  # the paths left still follow
+                served.take_endpoints(snapshot)  # the paths left still follow
             raise
         if fresh:
             served.target = None
@@ -320,31 +328,6 @@ class Proxier:
         served.pools[path] = pool
         served.listeners[path] = listener
         return listener
-
-    def _update_endpoints(self, served: Served, snapshot: Snapshot | Change) -> None:
-        info = served.info
-        endpoints = snapshot.endpoints_of(info.name)
-        served.endpoints = endpoints
-        served.all_endpoints = len(endpoints)
-        timeout = float(info.affinity_timeout_seconds) if info.client_ip_affinity else None
-        node_name, zone = snapshot.node_name, snapshot.node_zone
-        mode = topology_mode(endpoints, node_name, zone)
-        served.topology = "Local"
-        for path, pool in served.pools.items():
-            local = (
-                info.external_traffic_local
-                if path is Path.EXTERNAL
-                else info.internal_traffic_local
-            )
-            if not local:
-                served.topology = mode
-            usable = usable_endpoints(
-                endpoints, local_only=local, node_name=node_name, topology=mode, zone=zone
-            )
-            pool.update(usable, affinity_timeout=timeout)
-            pool.proxy_protocol = info.proxy_protocol
-        for listener in served.every_listener():
-            listener.refresh()
 
     # ---- removal and shutdown --------------------------------------------------------------
 

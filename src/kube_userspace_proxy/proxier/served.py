@@ -7,9 +7,16 @@ import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kube_userspace_proxy.balancer import EndpointPool
+from kube_userspace_proxy.balancer import EndpointPool, on_node, topology_mode, usable_endpoints
 from kube_userspace_proxy.dataplane import ConnStats
-from kube_userspace_proxy.model import Endpoint, Path, ProxiedPort, ServicePortInfo, ServicePortName
+from kube_userspace_proxy.model import (
+    Desired,
+    Endpoint,
+    Path,
+    ProxiedPort,
+    ServicePortInfo,
+    ServicePortName,
+)
 from kube_userspace_proxy.proxier.contracts import Listener
 from kube_userspace_proxy.restart.sockets import NodePortSocket, ProxyPortSocket, SocketDescription
 
@@ -50,6 +57,34 @@ class Served:
                 external_port=self.port_of(Path.EXTERNAL),
             )
         return self.target
+
+    def take_endpoints(self, desired: Desired) -> None:
+        """Choose each path's usable endpoints from `desired` (traffic policy, topology) into
+        its pool, with the source policy, and let the listeners see them."""
+        info = self.info
+        endpoints = desired.endpoints_of(info.name)
+        self.endpoints = endpoints
+        self.all_endpoints = len(endpoints)
+        timeout = float(info.affinity_timeout_seconds) if info.client_ip_affinity else None
+        node_name, zone = desired.node_name, desired.node_zone
+        mode = topology_mode(endpoints, node_name, zone)
+        self.topology = "Local"
+        for path, pool in self.pools.items():
+            local = (
+                info.external_traffic_local
+                if path is Path.EXTERNAL
+                else info.internal_traffic_local
+            )
+            if not local:
+                self.topology = mode
+            usable = usable_endpoints(
+                endpoints, local_only=local, node_name=node_name, topology=mode, zone=zone
+            )
+            pool.source = desired.source  # --preserve-source-ip
+            pool.update(usable, affinity_timeout=timeout, local=on_node(usable, node_name))
+            pool.proxy_protocol = info.proxy_protocol
+        for listener in self.every_listener():
+            listener.refresh()
 
 
 class Retired:

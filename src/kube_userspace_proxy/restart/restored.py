@@ -9,6 +9,7 @@ it and the field; the rest of the state is served.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from typing import Any
 
@@ -193,6 +194,34 @@ def _names(value: Any, where: str) -> tuple[str, ...]:
         if not isinstance(item, str) or not item or len(item) > MAX_NAME:
             raise Malformed(f"{where}[{i}]: expected a node or zone name, got {item!r}")
     return tuple(items)
+
+
+def pod_cidrs(raw: Any) -> tuple[str, ...]:
+    """The own Node's podCIDRs, canonical (absent: none, a file that predates them); one that
+    is not a CIDR is dropped alone, with a warning."""
+    if raw is None:
+        return ()
+    try:
+        items = _list(raw, "podCIDRs")
+    except Malformed as exc:
+        dropped("the podCIDRs", exc)
+        return ()
+    kept = []
+    for i, item in enumerate(items):
+        try:
+            kept.append(_cidr(item, f"podCIDRs[{i}]"))
+        except Malformed as exc:
+            dropped("a podCIDR", exc)
+    return tuple(kept)
+
+
+def _cidr(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise Malformed(f"{where}: expected a CIDR, got {value!r:.80}")
+    try:
+        return str(ipaddress.ip_network(value, strict=False))
+    except ValueError:
+        raise Malformed(f"{where}: {value!r:.80} is not a CIDR") from None
 
 
 def proxy_port(raw: Any) -> tuple[ServicePortKey, int]:

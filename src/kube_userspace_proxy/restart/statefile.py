@@ -145,6 +145,7 @@ class Encoder:
                 "nodeName": snapshot.node_name,
                 "nodeIPs": list(snapshot.node_ips),
                 "nodeZone": snapshot.node_zone,
+                "podCIDRs": list(snapshot.pod_cidrs),
             }
         )
         pieces = [f'{head[:-1]},"servicePorts":['.encode()]
@@ -312,6 +313,7 @@ def decode(data: bytes, *, node_name: str | None, loopback: bool = False) -> tup
         node_name=node_name,
         node_ips=tuple(node_ips),
         node_zone=zone if isinstance(zone := document.get("nodeZone"), str) else "",
+        pod_cidrs=restored.pod_cidrs(document.get("podCIDRs")),
     )
     return snapshot, ports
 

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kube_userspace_proxy import collector, fdpass, logs
-from kube_userspace_proxy.balancer import PINS_SHOWN, EndpointPool
+from kube_userspace_proxy.balancer import PINS_SHOWN, EndpointPool, Transparency, source_policy
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
 from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.dataplane.tcp import is_listening
@@ -77,11 +77,28 @@ class _Pool(EndpointPool):
         super().__init__(name, slot=worker.index, slots=worker.slots)
         self.pool_id = pool_id
         self.worker = worker
-        self.last: tuple[tuple[Address, ...], float | None] | None = None
+        self.last: tuple[tuple[Address, ...], float | None, Transparency] | None = None
 
     def dial_failed(self, address: Address) -> None:
         super().dial_failed(address)
         self.worker.report_penalty(self.pool_id, address)
+
+    def take(
+        self,
+        addresses: tuple[Address, ...],
+        timeout: float | None,
+        proxy_protocol: int,
+        transparency: Transparency,
+    ) -> bool:
+        """Take this pool's entry of a table or delta; whether its endpoints changed."""
+        self.proxy_protocol = proxy_protocol
+        self.source = source_policy(transparency[0])
+        if self.last == (addresses, timeout, transparency):
+            return False
+        self.last = (addresses, timeout, transparency)
+        endpoints = [Endpoint(ip, port) for ip, port in addresses]
+        self.update(endpoints, affinity_timeout=timeout, local=frozenset(transparency[1]))
+        return True
 
 
 @dataclasses.dataclass(slots=True)
@@ -229,18 +246,13 @@ class Worker:
         self.tcp_keepalive = float(settings.tcp_keepalive)
         self._routes.update(routes)
         changed: set[int] = set()
-        for pool_id, (pool_name, addresses, timeout, proxy_protocol) in pools.items():
+        for pool_id, (pool_name, addresses, timeout, proxy_protocol, tp) in pools.items():
             pool = self._pools.get(pool_id)
             if pool is None:
                 namespace, name, port, kind = pool_name
                 spn = ServicePortName(namespace, name, port, Protocol(kind))
                 pool = self._pools[pool_id] = _Pool(pool_id, spn, self)
-            pool.proxy_protocol = proxy_protocol
-            if pool.last != (addresses, timeout):
-                pool.last = (addresses, timeout)
-                pool.update(
-                    [Endpoint(ip, port) for ip, port in addresses], affinity_timeout=timeout
-                )
+            if pool.take(addresses, timeout, proxy_protocol, tp):
                 changed.add(pool_id)
         return changed
 

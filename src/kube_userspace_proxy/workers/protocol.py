@@ -23,6 +23,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from kube_userspace_proxy.balancer import Transparency
 from kube_userspace_proxy.model import Address, SocketKey
 from kube_userspace_proxy.workers import channel
 
@@ -47,9 +48,9 @@ ListenerEntry = tuple[SocketKey, str, int, int]
 PoolName = tuple[str, str, str, str]
 """A pool's service port: (namespace, name, port, protocol), plain strings (10,000 dataclasses
 unpickle in 0.1 s)."""
-PoolEntry = tuple[PoolName, tuple[Address, ...], float | None, int]
+PoolEntry = tuple[PoolName, tuple[Address, ...], float | None, int, Transparency]
 """One endpoint pool: (its name, its endpoints, its affinity timeout or None, its PROXY
-protocol version or 0)."""
+protocol version or 0, its transparent-dialing inputs: `balancer.Transparency`)."""
 
 
 class Membership(NamedTuple):

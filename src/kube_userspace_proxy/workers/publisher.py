@@ -151,7 +151,7 @@ class Publisher:
             # A port sent again to a worker that could not open it will join its group.
             regrouped = bool(removed) or retried
             for key, _, pool_id, _ in listeners:  # inline `_joins`: 10,000 calls cost ~1 ms
-                _, addresses, _, _ = pools[pool_id]
+                _, addresses, _, _, _ = pools[pool_id]
                 joins = key[0] == "UDP" or bool(addresses)
                 if self._joined.get(key) != joins:
                     self._joined[key] = joins
@@ -298,6 +298,7 @@ class Publisher:
                     picker.addresses,
                     picker.affinity_timeout,
                     picker.proxy_protocol,
+                    picker.transparency,  # --preserve-source-ip
                 )
             listeners.append((port.key, port.name, pool_id, port.v6only))
         return listeners, pools
@@ -378,5 +379,5 @@ class Publisher:
 def _joins(key: SocketKey, pool: PoolEntry) -> bool:
     """Whether the workers' sockets of port `key` are in its reuseport group: UDP always, TCP
     while its pool has endpoints (without, the workers do not listen)."""
-    _, addresses, _, _ = pool
+    _, addresses, _, _, _ = pool
     return key[0] == "UDP" or bool(addresses)
