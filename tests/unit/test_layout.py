@@ -128,3 +128,9 @@ def test_the_architecture_page_names_every_module() -> None:
         and f"`{path.relative_to(PACKAGE)}`" not in page
     ]
     assert not missing, f"docs/architecture.md does not name: {missing}"
+
+
+def test_test_files_have_unique_names() -> None:
+    """pytest imports test files of packageless folders by basename: two alike stop the run."""
+    names = [path.name for path in (ROOT / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
