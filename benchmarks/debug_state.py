@@ -43,13 +43,13 @@ import uvloop
 import yaml
 from aiohttp import web
 
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import app
 from kube_userspace_proxy.balancer import DEFAULT_MAX_AFFINITY_ENTRIES
 from kube_userspace_proxy.config.settings import ProxyConfig
 from kube_userspace_proxy.model import Path as TrafficPath
 from kube_userspace_proxy.model import ServicePortName
 from kube_userspace_proxy.ops import server as ops
-from kube_userspace_proxy.proxier.reconciler import by_name
+from kube_userspace_proxy.proxier.debugview import by_name
 
 PINNED = 5
 PROBE_EVERY = 0.005

@@ -48,11 +48,15 @@ also has every sample, the p50 latency and iperf3's retransmits. Needs root (ins
 nginx-light and iperf3 with apt-get when missing); creates and deletes its own namespaces (and
 kills what it started, by PID); configures nothing in the root namespace. The namespaces,
 nginx pods, kernel-mode rules and load tools are `testbed.py`'s, shared with `peers.py`. About
-2 minutes with the defaults.
+2 minutes with the defaults. The proxy runs with `--workers auto` (its default) unless told;
+its CPU is that of all its processes (control, workers, spare). Writes
+`benchmarks/results/kernel-vs-userspace.json` (everything) and `.png` (the ratios, with the
+`bench` extra's matplotlib); `--replot` redraws the chart from that JSON without measuring.
 
-    sudo .venv/bin/python benchmarks/kernel_vs_userspace.py [--seconds 5] [--rounds 3]
+    sudo bash scripts/dev bench kernel_vs_userspace [--seconds 5] [--rounds 3]
         [--connections 50] [--threads 2] [--bulk-bytes 1073741824] [--streams 1]
-        [--bulk-runs 2] [--nginx-workers 1] [--iptables-backend restore|iptc] [--json]
+        [--bulk-runs 2] [--nginx-workers 1] [--iptables-backend restore|iptc]
+        [--workers auto] [--json] [--out DIR] [--replot]
 """
 
 from __future__ import annotations
@@ -75,12 +79,14 @@ import uvloop
 from testbed import (
     BULK_PORT,
     HTTP_PORT,
+    ROOT,
     TOOLS,
     GiB,
     Testbed,
     cpu_model,
     cpu_shares,
     install_missing,
+    long_lived,
     source_commit,
     version,
 )
@@ -89,6 +95,8 @@ from tests.integration.conftest import Proxy, service, write_manifest
 from tests.integration.netns import PODS, available, stop
 
 PATHS = ("kernel", "userspace", "direct")
+NAME = "kernel-vs-userspace"
+RESULTS = ROOT / "benchmarks" / "results"
 DIRECT_PORT = 8081
 # Per path: (HTTP address, bulk address, client source address).
 ADDRESSES = {
@@ -135,7 +143,10 @@ class Bench:
             manifest,
             self.tmp / "proxy.log",
             # The integration tests resync every second; a benchmark runs with the defaults.
-            ("--iptables-sync-period", "30s", "--iptables-min-sync-period", "1s", "-v", "0"),
+            (
+                *("--iptables-sync-period", "30s", "--iptables-min-sync-period", "1s", "-v", "0"),
+                *("--workers", self.args.workers),
+            ),
         )
         self.proxy.start()
         self.proxy.wait_rules(ADDRESSES["userspace"][0], ADDRESSES["userspace"][1])
@@ -168,7 +179,8 @@ class Bench:
 
     def cpu(self) -> dict[str, float]:
         assert self.proxy is not None and self.proxy.proc is not None
-        return self.bed.cpu([self.proxy.proc.pid])
+        # The control process, its workers and the spare: every process of the proxy.
+        return self.bed.cpu(long_lived(self.proxy.proc.pid))
 
     def shares(self, got: dict[str, Any], before: dict[str, float], path: str) -> None:
         """Adds each part's CPU use over the run, as a share of one CPU (machine: of all)."""
@@ -347,6 +359,53 @@ def print_table(results: dict[str, Any]) -> None:
         )
 
 
+def chart(results: dict[str, Any], path: Path) -> Path:
+    """Two panels, both "higher is better", as ratios to kernel mode: throughput, and work per
+    CPU second of the whole path; each bar labelled, sized for a docs page."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [("keepalive", "keep-alive\nrequests"), ("newconn", "new\nconnections")]
+    kinds.append(("bulk", "bulk,\n1 stream"))
+    shown = [("userspace", "this proxy (userspace)", "tab:orange")]
+    shown.append(("direct", "direct to a pod", "tab:gray"))
+    panels = [
+        ("vs_kernel", "Throughput"),
+        ("cpu_vs_kernel", "Work per CPU second"),
+    ]
+    fig, axes = plt.subplots(1, 2, figsize=(8.5, 4.2), sharey=True)
+    width = 0.38
+    top = 0.0
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        ax.axhline(1.0, color="tab:blue", linewidth=1.5, linestyle="--", label="kernel mode = 1")
+        for i, (path_key, label, color) in enumerate(shown):
+            values = [results["paths"][path_key][kind].get(key, 0.0) for kind, _ in kinds]
+            xs = [j + (i - 0.5) * width for j in range(len(kinds))]
+            bars = ax.bar(xs, values, width, label=label, color=color)
+            ax.bar_label(bars, fmt="%.2f", fontsize=11, padding=2)
+            top = max(top, *values)
+        ax.set_xticks(range(len(kinds)), [text for _, text in kinds], fontsize=11)
+        ax.set_title(f"{title}, ratio to kernel mode", fontsize=12)
+        ax.tick_params(axis="y", labelsize=11)
+    axes[0].set_ylim(0, max(1.2, top) * 1.12)
+    axes[0].set_ylabel("ratio (higher is better)", fontsize=11)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncols=3, fontsize=11, frameon=False)
+    m, a = results["machine"], results["settings"]
+    fig.suptitle(
+        f"{m['cpus']} CPUs, Linux {m['kernel'].split('-')[0]}, --workers {a.get('workers', '1')},"
+        f" medians of {a['rounds']} rounds, load avg {m['loadavg_before']:.1f}"
+        f"-{m['loadavg_after']:.1f}, commit {results.get('commit', '?')}",
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0, 0.07, 1, 1))  # the legend below the panels
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=int, default=5, help="per wrk run, whole (5)")
@@ -365,8 +424,26 @@ def main() -> int:
         "--nginx-workers", type=int, default=1, help="worker_processes per pod (default 1)"
     )
     parser.add_argument("--iptables-backend", choices=["restore", "iptc"], default="restore")
+    parser.add_argument(
+        "--workers", default="auto", help="the proxy's --workers (default auto, as the proxy's)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS,
+        help=f"writes {NAME}.json and {NAME}.png here (default benchmarks/results)",
+    )
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help=f"measure nothing: redraw {NAME}.png from the {NAME}.json in --out",
+    )
     args = parser.parse_args()
+    if args.replot:
+        results = json.loads((args.out / f"{NAME}.json").read_text())
+        print(f"wrote {chart(results, args.out / f'{NAME}.png')}")
+        return 0
     if args.connections > 4000 or args.connections < 1:
         parser.error("--connections must be 1..4000 (the proxy holds two descriptors each)")
     if not 1 <= args.rounds <= 20 or not 1 <= args.seconds <= 120:
@@ -417,6 +494,7 @@ def main() -> int:
                 "bulk_runs",
                 "nginx_workers",
                 "iptables_backend",
+                "workers",
             )
         },
     }
@@ -451,11 +529,18 @@ def main() -> int:
     results["elapsed_s"] = time.monotonic() - started
     results["paths"] = summarize(samples)
     results["samples"] = samples
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{NAME}.json").write_text(json.dumps(results, indent=2) + "\n")
     if args.json:
         json.dump(results, sys.stdout, indent=2)
         print()
     else:
         print_table(results)
+    missing = install_missing({}, extra="bench")
+    if missing:
+        print(f"chart skipped: {missing}", file=sys.stderr)
+    else:
+        print(f"wrote {args.out / NAME}.json, {chart(results, args.out / f'{NAME}.png').name}")
     return 0
 
 

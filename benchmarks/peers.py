@@ -11,6 +11,8 @@ chosen by client address; the client namespace SNATs its connections to them in 
   proxy-auto  `kube-userspace-proxy run` with the default `--workers auto` (N processes)
   haproxy     Debian's HAProxy, `mode tcp`, `balance roundrobin`, `nbthread N`
   nginx       Debian's nginx stream module, `worker_processes N`, round robin
+  tproxy-1, tproxy-auto   (only when named in --peers) proxy-1 and proxy-auto with
+              `--preserve-source-ip`: every backend sees the client's own address
 
 N is what `--workers auto` resolves to here (the CPUs this process may run on, at most 4).
 HAProxy and nginx listen in the node namespace and get the ClusterIP's connections through a
@@ -78,11 +80,12 @@ from testbed import (
     GiB,
     IdleConnections,
     Testbed,
+    command,
     cpu_model,
     cpu_shares,
     install_missing,
+    long_lived,
     memory_kib,
-    process_tree,
     source_commit,
     version,
 )
@@ -132,9 +135,11 @@ stream {{
 """
 
 # Short-lived children of a peer, left out of its sums.
-HELPERS = ("iptables", "ip6tables", "xtables")
 PEERS = ("kernel", "proxy-1", "proxy-auto", "haproxy", "nginx")
 BASELINE_PEERS = ("base-1", "base-auto")  # with --baseline SRC: this proxy from another tree
+# Only when named in --peers: this proxy with --preserve-source-ip, every dial from the client's
+# address (the pods are on this node: --hostname-override names the node their slices name).
+TRANSPARENT_PEERS = ("tproxy-1", "tproxy-auto")
 # A proxied connection holds two descriptors: 9,400 of them fit under RLIMIT_NOFILE 20,000.
 MAX_PROXIED = 9400
 
@@ -166,7 +171,7 @@ class Peer:
         then, which would leave the CPU and memory sums as they end."""
         if self.proc is None:
             return []
-        return [pid for pid in process_tree(self.proc.pid) if not command(pid).startswith(HELPERS)]
+        return long_lived(self.proc.pid)
 
     def redirect(self) -> tuple[int, int] | None:
         """The (HTTP, bulk) ports to REDIRECT the ClusterIPs to, for a peer without rules."""
@@ -180,6 +185,7 @@ class ThisProxy(Peer):
     workers: str = "1"
     backend: str = "restore"
     src: str | None = None  # another checkout's src/ (--baseline): run its code instead
+    extra: tuple[str, ...] = ()  # more flags, e.g. --preserve-source-ip
     proxy: Proxy | None = field(default=None, repr=False)
 
     def start(self, bed: Testbed, tmp: Path) -> None:
@@ -197,7 +203,7 @@ class ThisProxy(Peer):
             self.backend,
             manifest,
             tmp / f"{self.key}.log",
-            (*flags, "--workers", self.workers),
+            (*flags, "--workers", self.workers, *self.extra),
             wrapper=() if self.src is None else ("env", f"PYTHONPATH={self.src}"),
         )
         self.proxy.start()
@@ -314,6 +320,9 @@ def wait_listening(
     wait_for(up, f"listening on {ports}")
 
 
+_TRANSPARENT = ("--preserve-source-ip", "--hostname-override", "node")
+
+
 def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[Peer]:
     """The peers; peer i has ClusterIPs 10.96.0.1i (web) and .2i (bulk) and `clients` client
     addresses from 10.244.1.(32 + 8i) up. `baseline`: also this proxy from that `src/`."""
@@ -336,6 +345,22 @@ def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[
         ),
         Haproxy("haproxy", f"{haproxy.split('-')[0]}, nbthread {WORKERS}", *at(3), threads=WORKERS),
         NginxStream("nginx", f"{nginx} stream, {WORKERS} workers", *at(4), workers=WORKERS),
+        ThisProxy(
+            "tproxy-1",
+            "this proxy, --workers 1 --preserve-source-ip",
+            *at(7),
+            workers="1",
+            backend=backend,
+            extra=_TRANSPARENT,
+        ),
+        ThisProxy(
+            "tproxy-auto",
+            f"this proxy, --workers auto ({WORKERS}) --preserve-source-ip",
+            *at(8),
+            workers="auto",
+            backend=backend,
+            extra=_TRANSPARENT,
+        ),
         *(
             []
             if baseline is None
@@ -488,14 +513,6 @@ class Run:
             "rss_before_kib": before,
             "kib_per_connection": (rss - before) / max(1, opened),
         }
-
-
-def command(pid: int) -> str:
-    """A process's name (/proc/PID/comm), or "" once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 def memory(pids: list[int]) -> tuple[int, int]:
@@ -746,32 +763,51 @@ def charts(results: dict[str, Any], out: Path) -> list[Path]:
         f" {results['loadavg']['min']:.1f}-{results['loadavg']['max']:.1f}"
     )
 
-    ratio_figs = [
-        ("keepalive", "keep-alive req/s"),
-        ("newconn", "new conn/s"),
-        ("bulk1", "bulk, 1 stream"),
-        ("bulk4", "bulk, 4 streams"),
-        ("cpu_req", "path CPU / request"),
-        ("cpu_conn", "path CPU / new conn"),
-        ("cpu_gib", "path CPU / GiB"),
-        ("setup", "setup p50"),
+    # Two panels, so that no axis mixes directions: throughput (higher is better) above,
+    # CPU per unit of work and setup latency (lower is better) below. Horizontal bars keep
+    # every label upright and readable at a docs page's width; kernel DNAT is the line at 1.
+    panels = [
+        (
+            "Throughput, ratio to kernel DNAT: higher is better",
+            [
+                ("keepalive", "keep-alive req/s"),
+                ("newconn", "new connections/s"),
+                ("bulk1", "bulk, 1 stream"),
+                ("bulk4", "bulk, 4 streams"),
+            ],
+        ),
+        (
+            "Cost, ratio to kernel DNAT: lower is better",
+            [
+                ("cpu_req", "path CPU per request"),
+                ("cpu_conn", "path CPU per new conn"),
+                ("cpu_gib", "path CPU per GiB"),
+                ("setup", "setup latency p50"),
+            ],
+        ),
     ]
-    fig, ax = plt.subplots(figsize=(11, 5))
-    width = 0.8 / len(peers)
-    for i, peer in enumerate(peers):
-        values = [results["peers"][peer]["vs_kernel"].get(k, 0.0) for k, _ in ratio_figs]
-        xs = [j + (i - (len(peers) - 1) / 2) * width for j in range(len(ratio_figs))]
-        bars = ax.bar(xs, values, width, label=labels[peer], color=colors[i % len(colors)])
-        ax.bar_label(bars, fmt="%.2f", fontsize=6, rotation=90, padding=2)
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks(range(len(ratio_figs)), [t for _, t in ratio_figs], fontsize=8)
-    ax.set_ylabel("x kernel iptables DNAT")
-    ax.set_title(
-        f"Ratios to kernel DNAT (throughput: higher is better; CPU, latency: lower) — {title}",
-        fontsize=9,
-    )
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
+    shown = [p for p in peers if p != "kernel"]
+    fig, axes = plt.subplots(2, 1, figsize=(8, 10.5))
+    height = 0.8 / len(shown)
+    for ax, (heading, figs) in zip(axes, panels, strict=True):
+        top = 0.0
+        for i, peer in enumerate(shown):
+            values = [results["peers"][peer]["vs_kernel"].get(k, 0.0) for k, _ in figs]
+            ys = [j + (i - (len(shown) - 1) / 2) * height for j in range(len(figs))]
+            color = colors[peers.index(peer) % len(colors)]
+            bars = ax.barh(ys, values, height, label=labels[peer], color=color)
+            ax.bar_label(bars, fmt="%.2f", fontsize=10, padding=3)
+            top = max(top, *values)
+        ax.axvline(1.0, color="black", linewidth=1.2, linestyle="--", label="kernel DNAT = 1")
+        ax.set_yticks(range(len(figs)), [text for _, text in figs], fontsize=11)
+        ax.invert_yaxis()  # the first figure on top
+        ax.set_xlim(0, max(1.0, top) * 1.12)
+        ax.tick_params(axis="x", labelsize=10)
+        ax.set_title(heading, fontsize=12, loc="left")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncols=2, fontsize=10, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     first = out / f"{name}-ratios.png"
     fig.savefig(first, dpi=110)
     plt.close(fig)
@@ -784,8 +820,8 @@ def charts(results: dict[str, Any], out: Path) -> list[Path]:
         ("rss_start", "RSS after start, MB"),
         ("kib_idle", "RSS per idle connection, KiB"),
     ]
-    shown = [p for p in peers if p != "kernel"]
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
+    # Three rows of two, so that a docs page shows the labels at a readable size.
+    fig, axes = plt.subplots(3, 2, figsize=(8, 9.5))
     for axis, (key, text) in zip(axes.flat, cost_figs, strict=True):
         values = []
         for peer in shown:
@@ -797,10 +833,15 @@ def charts(results: dict[str, Any], out: Path) -> list[Path]:
             values,
             color=[colors[(peers.index(p)) % len(colors)] for p in shown],
         )
-        axis.bar_label(bars, fmt="%.3g", fontsize=7)
-        axis.set_title(text, fontsize=9)
-        axis.set_xticks(range(len(shown)), shown, fontsize=7)
-    fig.suptitle(f"The peers' costs (kernel DNAT has no process) — {title}", fontsize=9)
+        axis.bar_label(bars, fmt="%.3g", fontsize=10)
+        axis.set_ylim(0, max(values) * 1.18)
+        axis.set_title(text, fontsize=11)
+        # "proxy-auto" -> "proxy\nauto": five labels side by side without touching.
+        axis.set_xticks(range(len(shown)), [p.replace("-", "\n") for p in shown], fontsize=10)
+        axis.tick_params(axis="y", labelsize=10)
+    fig.suptitle(
+        f"The peers' costs: lower is better (kernel DNAT has no process)\n{title}", fontsize=10
+    )
     fig.tight_layout()
     second = out / f"{name}-costs.png"
     fig.savefig(second, dpi=110)
@@ -862,7 +903,17 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results", help="output directory"
     )
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="measure nothing: redraw the charts from --out's peers.json (--quick: peers-quick)",
+    )
     args = parser.parse_args()
+    if args.replot:
+        name = "peers-quick" if args.quick else "peers"
+        pngs = charts(json.loads((args.out / f"{name}.json").read_text()), args.out)
+        print("wrote " + ", ".join(str(p) for p in pngs))
+        return 0
     quick = args.quick
     for key, full, short in (
         ("rounds", 3, 1),
@@ -885,8 +936,9 @@ def main() -> int:
     if args.baseline is not None:
         args.baseline = str(Path(args.baseline).resolve())
         wanted |= set(BASELINE_PEERS)
-    if wanted - set(PEERS) - set(BASELINE_PEERS):
-        parser.error(f"unknown peers {sorted(wanted - set(PEERS))}; known: {', '.join(PEERS)}")
+    known = {*PEERS, *BASELINE_PEERS, *TRANSPARENT_PEERS}
+    if wanted - known:
+        parser.error(f"unknown peers {sorted(wanted - known)}; known: {', '.join(sorted(known))}")
     reason = available() or install_missing(PACKAGES, extra="bench")
     if reason:
         print(f"peers: {reason}", file=sys.stderr)

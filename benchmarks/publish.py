@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kube_userspace_proxy.app.proxy import raise_nofile_limit  # noqa: E402
+from kube_userspace_proxy.app.lifecycle import raise_nofile_limit  # noqa: E402
 from kube_userspace_proxy.balancer import EndpointPool  # noqa: E402
 from kube_userspace_proxy.dataplane import ConnStats  # noqa: E402
 from kube_userspace_proxy.model import Endpoint, Protocol, ServicePortName  # noqa: E402
@@ -56,8 +56,7 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
             if everything:  # as before the deltas: every port, every change
                 for other, _ in ports:
                     other.refresh()
-                workers._sent_ports.clear()  # forget what was sent: all of it goes again
-                workers._sent_pools.clear()
+                workers._publisher.forget_sent()  # all of it goes again
             port.refresh()
             cpu, wall = time.process_time(), time.perf_counter()
             await workers.publish()

@@ -191,6 +191,24 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
+HELPERS = ("iptables", "ip6tables", "xtables")
+"""Short-lived commands a proxy runs now and then (not part of its long-lived processes)."""
+
+
+def command(pid: int) -> str:
+    """A process's name (/proc/PID/comm), or "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def long_lived(pid: int) -> list[int]:
+    """A proxy's processes (`pid`, its workers, its spare): not the iptables runs it starts
+    now and then, which would leave CPU and memory sums as they end."""
+    return [p for p in process_tree(pid) if not command(p).startswith(HELPERS)]
+
+
 def memory_kib(pid: int) -> tuple[int, int]:
     """(RSS, PSS) of a process in KiB, from /proc/PID/smaps_rollup; (0, 0) if it is gone."""
     rss = pss = 0

@@ -7,7 +7,7 @@ import ctypes.util
 import ipaddress
 import os
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from kube_userspace_proxy.errors import ConfigError
@@ -93,6 +93,31 @@ def by_family(addresses: Iterable[str], family: Family) -> tuple[str, ...]:
 def join_host_port(host: str, port: int) -> str:
     """`host:port`, bracketing IPv6 literals as `[::1]:80` (Go's net.JoinHostPort)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+NODEPORT_PRIMARY = "primary"
+"""kube-proxy's nodePortAddresses keyword for the Node's primary IPs (one per family)."""
+
+
+def primary_cidrs(node_ips: Iterable[str]) -> tuple[str, ...]:
+    """What `nodePortAddresses: [primary]` means for `node_ips`: the first IP of each family,
+    as a host CIDR (kube-proxy 1.29+ expands the keyword from the node's IPs the same way)."""
+    cidrs: list[str] = []
+    families: set[Family] = set()
+    for ip in node_ips:
+        family = ip_family(ip)
+        if family is not None and family not in families:
+            families.add(family)
+            cidrs.append(f"{ip}/{32 if family == 4 else 128}")
+    return tuple(cidrs)
+
+
+def nodeport_cidrs(configured: Sequence[str], node_ips: Iterable[str]) -> tuple[str, ...]:
+    """The CIDRs a `nodePortAddresses` setting names now: `primary` expanded from `node_ips`
+    (none known: none), any other setting as it is."""
+    if tuple(configured) == (NODEPORT_PRIMARY,):
+        return primary_cidrs(node_ips)
+    return tuple(configured)
 
 
 def node_ips(node: Mapping[str, Any] | None) -> tuple[str, ...]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import enum
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.model import Address, Endpoint, ServicePortName
+from kube_userspace_proxy.model import Address, Endpoint, ServicePortName, SourcePolicy
 
 log = logs.get(__name__)
 
@@ -18,20 +21,89 @@ PINS_SHOWN = 20
 """ClientIP pins /debug/state lists per service port (besides how many there are)."""
 
 
+class Topology(enum.StrEnum):
+    """Which endpoints a Cluster-policy path uses, as kube-proxy's topology modes name them."""
+
+    ALL = ""
+    """No usable hints: every endpoint."""
+    SAME_NODE = "PreferSameNode"
+    """Those whose `hints.forNodes` name this node."""
+    SAME_ZONE = "PreferSameZone"
+    """Those whose `hints.forZones` name this node's zone (trafficDistribution PreferClose)."""
+
+
+def topology_mode(endpoints: Sequence[Endpoint], node_name: str | None, zone: str) -> Topology:
+    """The hints a Cluster-policy path follows: node hints when every ready endpoint has some
+    and one names this node, else zone hints likewise for this node's zone, else none."""
+    any_ready = False
+    all_node_hints = all_zone_hints = True
+    for_node = for_zone = False
+    for e in endpoints:
+        if not e.ready:
+            continue
+        any_ready = True
+        if not e.node_hints:
+            all_node_hints = False
+        elif node_name is not None and node_name in e.node_hints:
+            for_node = True
+        if not e.zone_hints:
+            all_zone_hints = False
+        elif zone and zone in e.zone_hints:
+            for_zone = True
+    if not any_ready:
+        return Topology.ALL
+    if all_node_hints and for_node:
+        return Topology.SAME_NODE
+    if all_zone_hints and for_zone:
+        return Topology.SAME_ZONE
+    return Topology.ALL
+
+
 def usable_endpoints(
-    endpoints: Sequence[Endpoint], *, local_only: bool, node_name: str | None
+    endpoints: Sequence[Endpoint],
+    *,
+    local_only: bool,
+    node_name: str | None,
+    topology: Topology = Topology.ALL,
+    zone: str = "",
 ) -> tuple[Endpoint, ...]:
     """The endpoints traffic may go to: ready ones, else serving-and-terminating ones.
 
     With `local_only` (traffic policy Local) only endpoints on `node_name` count, before the
     fallback is applied, as in kube-proxy; an unknown node name has no local endpoints.
+    Otherwise `topology` (from `topology_mode`) narrows the ready ones to those hinted for
+    this node or `zone`; the serving-and-terminating fallback ignores hints, as kube-proxy's.
     """
     if local_only:
         endpoints = [e for e in endpoints if node_name is not None and e.node_name == node_name]
-    ready = tuple(e for e in endpoints if e.ready)
+        topology = Topology.ALL
+    if topology is Topology.SAME_NODE:
+        ready = tuple(e for e in endpoints if e.ready and node_name in e.node_hints)
+    elif topology is Topology.SAME_ZONE:
+        ready = tuple(e for e in endpoints if e.ready and zone in e.zone_hints)
+    else:
+        ready = tuple(e for e in endpoints if e.ready)
     if ready:
         return ready
     return tuple(e for e in endpoints if e.serving and e.terminating)
+
+
+def on_node(endpoints: Sequence[Endpoint], node_name: str | None) -> frozenset[Address]:
+    """The addresses of the endpoints that run on `node_name` (none when it is unknown)."""
+    if node_name is None:
+        return frozenset()
+    return frozenset(e.address for e in endpoints if e.node_name == node_name)
+
+
+Transparency = tuple[tuple[str, ...] | None, tuple[Address, ...]]
+"""A pool's transparent-dialing inputs as plain tuples (the worker table is marshalled):
+(the source policy's local-client CIDRs, None while the mode is off; the local endpoints)."""
+
+
+@functools.lru_cache(maxsize=8)
+def source_policy(client_cidrs: tuple[str, ...] | None) -> SourcePolicy | None:
+    """The SourcePolicy of a `Transparency`'s CIDRs (one object per value in a process)."""
+    return None if client_cidrs is None else SourcePolicy(client_cidrs)
 
 
 RECENT_PICKS = 32
@@ -54,15 +126,44 @@ class BalancerView:
     """Endpoints skipped after a failed dial: (endpoint, seconds left)."""
 
 
+class PoolView(Protocol):
+    """A pool as a process that never picks reads it (the worker pool describing it to its
+    workers): which service port, its usable endpoints, how it balances. `EndpointPool` fits."""
+
+    @property
+    def name(self) -> ServicePortName: ...
+
+    @property
+    def addresses(self) -> tuple[Address, ...]:
+        """The usable endpoint addresses, in round-robin order."""
+        ...
+
+    @property
+    def affinity_timeout(self) -> float | None:
+        """The ClientIP affinity timeout in seconds; None without affinity."""
+        ...
+
+    @property
+    def proxy_protocol(self) -> int:
+        """PROXY protocol version sent to the endpoints (1, 2; 0: none)."""
+        ...
+
+    @property
+    def transparency(self) -> Transparency:
+        """The transparent-dialing inputs the workers need (--preserve-source-ip)."""
+        ...
+
+
 class EndpointTally:
     """Counters of one endpoint in one pool, plain ints the data plane bumps (see Picker).
 
     TCP: `active` open connections, `total` connections that reached it; UDP: sessions.
     `bytes_in` client -> endpoint, `bytes_out` endpoint -> client; `dial_failures` its
-    failed dials. Kept across endpoint updates while the address stays.
+    failed dials. Kept across endpoint updates while the address stays. `local`: the
+    endpoint runs on this node (its replies leave through this node).
     """
 
-    __slots__ = ("active", "address", "bytes_in", "bytes_out", "dial_failures", "total")
+    __slots__ = ("active", "address", "bytes_in", "bytes_out", "dial_failures", "local", "total")
 
     def __init__(self, address: Address) -> None:
         self.address = address
@@ -71,6 +172,7 @@ class EndpointTally:
         self.bytes_in = 0
         self.bytes_out = 0
         self.dial_failures = 0
+        self.local = False
 
     def values(self) -> tuple[int, int, int, int, int]:
         """(active, total, bytes_in, bytes_out, dial_failures)."""
@@ -86,6 +188,9 @@ class EndpointPool:
     Round robin over the usable endpoints; with ClientIP affinity a client keeps its endpoint
     while it used it within the Service's *current* timeout (idle timeout, as kube-proxy). An
     endpoint whose dial just failed is skipped for `penalty_seconds` unless all are penalised.
+
+    Each worker process holds its own copy of a pool: copy `slot` of `slots` starts its round
+    robin `slot / slots` of the way round the endpoints, so the workers' first picks spread.
     """
 
     def __init__(
@@ -96,6 +201,9 @@ class EndpointPool:
         penalty_seconds: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         max_affinity_entries: int = DEFAULT_MAX_AFFINITY_ENTRIES,
+        slot: int = 0,
+        slots: int = 1,
+        source: SourcePolicy | None = None,
     ) -> None:
         self.name = name
         self.penalty_seconds = penalty_seconds
@@ -103,6 +211,12 @@ class EndpointPool:
         self._clock = clock
         self._addresses: tuple[Address, ...] = ()
         self._cursor = 0
+        self._slot = 0
+        self._slots = 1
+        # `_picks` when this pool last had no endpoints: while it is still the same, no pick
+        # has followed the order, so an update places the cursor at the slot's start rather
+        # than carrying it (kept as a count so that pick() stays as it was).
+        self._fresh_at = 0
         self._timeout: float | None = _normal_timeout(affinity_timeout)
         # ClientIP pins as two plain dicts (client -> endpoint, client -> last use) rather than
         # an object per client: hundreds of thousands of objects made every full pass of the
@@ -122,6 +236,10 @@ class EndpointPool:
         self._picks = 0
         self.proxy_protocol = 0
         """PROXY protocol version the data plane sends these endpoints first (0: none)."""
+        self.source: SourcePolicy | None = source
+        """Transparent dialing (--preserve-source-ip) and the node's local clients; None: off."""
+        self._local: frozenset[Address] = frozenset()
+        self.take_slot(slot, slots)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -139,6 +257,26 @@ class EndpointPool:
     def addresses(self) -> tuple[Address, ...]:
         """The usable endpoint addresses, in round-robin order."""
         return self._addresses
+
+    @property
+    def local_addresses(self) -> tuple[Address, ...]:
+        """The usable endpoints that run on this node, in round-robin order."""
+        return tuple(a for a in self._addresses if a in self._local)
+
+    def source_choices(self) -> dict[Address, str]:
+        """Per usable endpoint, the source address its dials get under --preserve-source-ip:
+        `client` (it runs on this node: every client keeps its address) or `client-if-pod`
+        (this node's pods keep theirs, other clients dial from the node). {} while off."""
+        if self.source is None:
+            return {}
+        local = self._local
+        return {a: "client" if a in local else "client-if-pod" for a in self._addresses}
+
+    @property
+    def transparency(self) -> Transparency:
+        """The source policy's CIDRs (None: off) and the local endpoints, for the workers."""
+        source = self.source
+        return (None if source is None else source.client_cidrs, self.local_addresses)
 
     @property
     def affinity_timeout(self) -> float | None:
@@ -191,8 +329,15 @@ class EndpointPool:
 
     # -- changing ------------------------------------------------------------------------------
 
-    def update(self, endpoints: Sequence[Endpoint], *, affinity_timeout: float | None) -> None:
-        """Take a new endpoint list and the Service's current affinity timeout.
+    def update(
+        self,
+        endpoints: Sequence[Endpoint],
+        *,
+        affinity_timeout: float | None,
+        local: frozenset[Address] = frozenset(),
+    ) -> None:
+        """Take a new endpoint list, the Service's current affinity timeout and which of the
+        endpoints run on this node (`local`, see `on_node`).
 
         The cursor stays on the endpoint it pointed at (or the next one that survives), pins to
         surviving endpoints are kept and the new timeout applies to them at once.
@@ -202,14 +347,25 @@ class EndpointPool:
         if self._timeout is None:
             self._pinned.clear()
             self._pin_used.clear()
+        if local != self._local:
+            self._local = local
+            for tally in self._tallies:
+                tally.local = tally.address in local
         if addresses == self._addresses:
             return
         old = self._addresses
         self._addresses = addresses
         tally_of = self._tally_of
         self._tally_of = {a: tally_of.get(a) or EndpointTally(a) for a in addresses}
+        for a, tally in self._tally_of.items():
+            tally.local = a in local
         self._tallies = tuple(self._tally_of[a] for a in addresses)
-        self._cursor = _carry_cursor(old, self._cursor, addresses)
+        if self._picks == self._fresh_at:
+            self._cursor = self._start(len(addresses))
+        else:
+            self._cursor = _carry_cursor(old, self._cursor, addresses)
+        if not addresses:  # the order ends here: the next one starts at the slot's start
+            self._fresh_at = self._picks
         alive = set(addresses)
         if self._pinned:
             used = self._pin_used
@@ -217,6 +373,18 @@ class EndpointPool:
             self._pin_used = {c: used[c] for c in self._pinned}
         if self._penalties:
             self._penalties = {a: t for a, t in self._penalties.items() if a in alive}
+
+    def take_slot(self, slot: int, slots: int) -> None:
+        """Make this pool worker `slot`'s copy of `slots`; it starts there if it has not picked.
+
+        `slot * count // slots` for `count` endpoints: with fewer workers than endpoints the
+        starts are as far apart as they can be, so the copies' first picks differ for longer;
+        with more, every endpoint is some worker's start.
+        """
+        self._slots = max(1, slots)
+        self._slot = slot % self._slots
+        if self._picks == self._fresh_at:
+            self._cursor = self._start(len(self._addresses))
 
     def dial_failed(self, address: Address) -> None:
         """Skip `address` for `penalty_seconds` (its dial just failed)."""
@@ -286,6 +454,10 @@ class EndpointPool:
         self._cursor = first + 1 if first + 1 < count else 0
         self._record(addresses[first], ALL_PENALIZED)
         return addresses[first]
+
+    def _start(self, count: int) -> int:
+        """Where this slot's copy starts its round robin over `count` endpoints."""
+        return self._slot * count // self._slots
 
     def _penalised(self, address: Address, now: float) -> bool:
         until = self._penalties.get(address)

@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import yaml
 
-from kube_userspace_proxy import __version__, demo, logs
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import __version__, app, demo, logs
+from kube_userspace_proxy.config.fields import (
+    KUBE_PROXY_FLAGS_APPLIED,
+    RUN_FIELDS,
+    VERBOSITY,
+    Field,
+)
 from kube_userspace_proxy.config.kubeproxy import (
     DEFAULT_HEALTHZ_PORT,
     DEFAULT_METRICS_PORT,
@@ -28,13 +32,16 @@ from kube_userspace_proxy.config.settings import (
     read_config_file,
     split_host_port,
 )
-from kube_userspace_proxy.errors import ConfigError, ProxyError
+from kube_userspace_proxy.config.validation import mode_problem
+from kube_userspace_proxy.errors import ConfigError, InvalidConfigError, ProxyError
 from kube_userspace_proxy.portals import cleanup_all
 
 log = logs.get(__name__)
 
 PROG = "kube-userspace-proxy"
 EXIT_USAGE = 2
+EXIT_INVALID = 1
+"""kube-proxy's exit code for a configuration its validation refuses."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,16 +71,6 @@ def _bool(text: str) -> bool:
     if value in {"false", "f", "0"}:
         return False
     raise argparse.ArgumentTypeError(f"invalid boolean {text!r} (expected true or false)")
-
-
-@dataclass(frozen=True)
-class _Flag:
-    flag: str
-    field: str
-    kind: str  # str | duration | float | int | csv | choice | bool
-    unit: str = ""
-    choices: tuple[str, ...] = ()
-    aliases: tuple[str, ...] = ()
 
 
 # Every other flag of kube-proxy 1.25 to 1.32 (bool: pflag boolean; value: takes one value).
@@ -131,6 +128,7 @@ IGNORED_FLAGS: dict[str, str] = {
             "--log-file-max-size",
             "--stderrthreshold",
             "--azure-container-registry-config",
+            "--boot-id-file",
         ),
         "value",
     ),
@@ -149,6 +147,7 @@ _UNLISTED = {
     "--log-file-max-size",
     "--stderrthreshold",
     "--azure-container-registry-config",
+    "--boot-id-file",
 }
 
 
@@ -156,47 +155,12 @@ def _ignored_dest(flag: str) -> str:
     return "ignored_" + flag[2:].replace("-", "_")
 
 
-_RUN_FLAGS = (
-    _Flag("--bind-address", "bind_address", "str", "IP"),
-    _Flag("--proxy-port-range", "proxy_port_range", "str", "range"),
-    _Flag("--udp-timeout", "udp_idle_timeout", "duration"),
-    _Flag("--tcp-keepalive", "tcp_keepalive", "duration"),
-    _Flag("--iptables-sync-period", "sync_period", "duration"),
-    _Flag("--iptables-min-sync-period", "min_sync_period", "duration"),
-    _Flag("--iptables-verify-period", "verify_period", "duration"),
-    _Flag("--config-sync-period", "config_sync_period", "duration"),
-    _Flag("--healthz-bind-address", "healthz_bind_address", "str", "host:port"),
-    _Flag("--metrics-bind-address", "metrics_bind_address", "str", "host:port"),
-    _Flag("--metrics-allowed-hosts", "metrics_allowed_hosts", "csv", "name list"),
-    _Flag("--hostname-override", "hostname_override", "str", "name"),
-    _Flag("--kubeconfig", "kubeconfig", "str", "path"),
-    _Flag("--master", "master", "str", "URL"),
-    _Flag("--kube-api-qps", "kube_api_qps", "float", "requests/s"),
-    _Flag("--kube-api-burst", "kube_api_burst", "int", "requests"),
-    _Flag("--nodeport-addresses", "nodeport_addresses", "csv", "CIDR list"),
-    _Flag("--cluster-cidr", "cluster_cidr", "str", "CIDR"),
-    _Flag("--service-proxy-name", "service_proxy_name", "str", "name"),
-    _Flag(
-        "--iptables-backend", "iptables_backend", "choice", "", ("auto", "iptc", "restore", "none")
-    ),
-    _Flag("--node-ip", "node_ips", "csv", "IP list"),
-    _Flag("--event-loop", "event_loop", "choice", "", ("uvloop", "asyncio")),
-    _Flag("--log-format", "log_format", "choice", "", ("text", "json"), ("--logging-format",)),
-    _Flag("--oom-score-adj", "oom_score_adj", "int", "-1000..1000"),
-    _Flag("--metrics-per-service-port", "metrics_per_service_port", "bool", "true|false"),
-    _Flag("--shutdown-grace", "shutdown_grace", "duration"),
-    _Flag("--workers", "workers", "str", "count or auto"),
-    _Flag("--guard-proxy-ports", "guard_proxy_ports", "bool", "true|false"),
-    _Flag("--state-dir", "state_dir", "str", "path"),
-    _Flag("--after-handover", "after_handover", "choice", "", ("exit", "wait")),
-    _Flag("--loopback-endpoints", "loopback_endpoints", "choice", "", ("auto", "allow", "deny")),
-)
-
-
-def _default_text(flag: _Flag) -> str:
-    value = getattr(DEFAULTS, flag.field)
+def _default_text(flag: Field) -> str:
+    value = getattr(DEFAULTS, flag.name)
     if flag.kind == "duration":
         return format_duration(value)
+    if flag.kind == "hex":
+        return hex(value)
     if isinstance(value, tuple):
         return ",".join(value) or "none"
     return str(value) if value not in ("", None) else "none"
@@ -208,11 +172,12 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         "duration": _duration,
         "float": float,
         "int": int,
+        "hex": lambda text: int(text, 0),  # 0x1000 or 4096
         "csv": _csv,
         "choice": str,
         "bool": _bool,
     }
-    for flag in _RUN_FLAGS:
+    for flag in RUN_FIELDS:
         unit = "duration, e.g. 250ms or 1m30s" if flag.kind == "duration" else flag.unit
         if flag.kind == "csv":
             unit += ", comma-separated or repeated"
@@ -220,7 +185,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             flag.flag,
             *flag.aliases,
-            dest=flag.field,
+            dest=flag.name,
             # List flags take commas and may be repeated: `--node-ip A --node-ip B`.
             action="extend" if flag.kind == "csv" else "store",
             # Booleans as pflag has them: `--flag` alone means true, `--flag=false` false.
@@ -229,8 +194,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
             type=types[flag.kind],
             choices=flag.choices or None,
             default=None,
-            metavar=None if flag.choices else flag.field.upper(),
-            help=f"{field_doc(flag.field)} ({extra}default: {_default_text(flag)})",
+            metavar=None if flag.choices else flag.name.upper(),
+            help=f"{field_doc(flag.name)} ({extra}default: {_default_text(flag)})",
         )
     parser.add_argument(
         "--manifests",
@@ -277,6 +242,14 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
             help=f"Deprecated in kube-proxy: the port of {name[2:-5]} bind address; 0 disables "
             f"(default: {port})",
         )
+    parser.add_argument(
+        "--version",
+        nargs="?",
+        const="true",
+        default=None,
+        metavar="BOOL|raw",
+        help="Print the version and exit, as kube-proxy's --version (default: false)",
+    )
     _add_logging_flags(parser)
     ignored = parser.add_argument_group(
         "kube-proxy flags accepted and ignored",
@@ -365,7 +338,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def _flags_epilog() -> str:
     """`--help`'s list of kube-proxy flags: applied here, or accepted and ignored."""
-    applied = [*KUBE_PROXY_APPLIED, "--proxy-mode (userspace)"]
+    applied = [*KUBE_PROXY_FLAGS_APPLIED, "--proxy-mode (userspace)"]
     listed = [f for f in IGNORED_FLAGS if f not in _UNLISTED]
     return (
         "kube-proxy's command line works unchanged (`kube-userspace-proxy --config=FILE "
@@ -387,40 +360,15 @@ def _wrap(words: list[str]) -> str:
     return "\n".join([*lines, line])
 
 
-# kube-proxy's flags that this proxy applies (the rest of _RUN_FLAGS are its own).
-KUBE_PROXY_APPLIED = (
-    "--bind-address",
-    "--cleanup",
-    "--cluster-cidr",
-    "--config",
-    "--config-sync-period",
-    "--healthz-bind-address",
-    "--healthz-port",
-    "--hostname-override",
-    "--iptables-min-sync-period",
-    "--iptables-sync-period",
-    "--kube-api-burst",
-    "--kube-api-qps",
-    "--kubeconfig",
-    "--logging-format",
-    "--master",
-    "--metrics-bind-address",
-    "--metrics-port",
-    "--nodeport-addresses",
-    "--oom-score-adj",
-    "--proxy-port-range",
-    "--udp-timeout",
-    "--v",
-    "--write-config-to",
-)
-
-
 def _warn_ignored(args: argparse.Namespace) -> None:
     for flag in IGNORED_FLAGS:
         if getattr(args, _ignored_dest(flag), None) is not None:
             log.warning(
                 "%s is a kube-proxy flag that does not apply to userspace mode; ignored", flag
             )
+    refused = mode_problem(args.proxy_mode or "", "--proxy-mode")
+    if refused:
+        raise InvalidConfigError(refused)
     if args.proxy_mode not in (None, "", "userspace"):
         log.warning(
             "--proxy-mode=%s ignored: this proxy implements kube-proxy's userspace mode",
@@ -432,8 +380,8 @@ def parse_config(args: argparse.Namespace) -> ProxyConfig:
     """Defaults < --config file < flags; raises ConfigError naming the field."""
     _warn_ignored(args)
     file_values = read_config_file(args.config) if args.config else {}
-    flags = {flag.field: getattr(args, flag.field) for flag in _RUN_FLAGS}
-    flags["verbosity"] = args.verbosity
+    flags = {flag.name: getattr(args, flag.name) for flag in RUN_FIELDS}
+    flags[VERBOSITY.name] = args.verbosity
     # A bare IP gets the default port, as kube-proxy's AppendPortIfNeeded does.
     for key, port, deprecated in (
         ("healthz_bind_address", DEFAULT_HEALTHZ_PORT, args.healthz_port),
@@ -453,6 +401,21 @@ def parse_config(args: argparse.Namespace) -> ProxyConfig:
     return build_config(file_values, flags, source=source)
 
 
+def pflag_spelling(argv: Sequence[str]) -> list[str]:
+    """Flags as pflag normalizes kube-proxy's: `_` in a flag's name is `-` (`--log_dir`);
+    values, and everything after `--`, are left as given."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + list(argv[i:])
+        name, eq, value = arg.partition("=")
+        if arg.startswith("--") and "_" in name:
+            out.append(name.replace("_", "-") + eq + value)
+        else:
+            out.append(arg)
+    return out
+
+
 def _argv_with_default_command(argv: Sequence[str]) -> list[str]:
     commands = {"run", "demo", "rules", "cleanup"}
     if not argv or argv[0] in commands or argv[0] in {"-h", "--help", "--version"}:
@@ -463,8 +426,12 @@ def _argv_with_default_command(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kube-userspace-proxy` command; returns the exit code."""
     parser = make_parser()
-    args = parser.parse_args(_argv_with_default_command(sys.argv[1:] if argv is None else argv))
+    given = pflag_spelling(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_argv_with_default_command(given))
     command = args.command or "run"
+    if command in ("run", "rules") and args.version not in (None, "false", "f", "0"):
+        print(f"{PROG} {__version__}")  # kube-proxy's `--version` (and `=raw`): then exit
+        return 0
     logs.setup(args.verbosity or 0, args.log_format or "text")
     try:
         if command == "demo":
@@ -480,6 +447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _write_config(config, args.write_config_to)
         set_oom_score_adj(config.oom_score_adj)
         return app.run_loop(app.serve(config), config.event_loop)
+    except InvalidConfigError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return EXIT_INVALID
     except ConfigError as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return EXIT_USAGE

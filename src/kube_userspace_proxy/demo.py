@@ -18,8 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path as FsPath
 from typing import cast
 
-from kube_userspace_proxy import logs
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import app, logs
 from kube_userspace_proxy.config.settings import ProxyConfig
 from kube_userspace_proxy.model import Protocol, ServicePortName
 from kube_userspace_proxy.portals import explain

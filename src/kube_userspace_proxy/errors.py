@@ -11,6 +11,10 @@ class ConfigError(ProxyError):
     """A flag, a config file field or an environment value is invalid (exit code 2)."""
 
 
+class InvalidConfigError(ConfigError):
+    """A value kube-proxy's validation refuses, named as kube-proxy names it (exit code 1)."""
+
+
 class PortExhaustedError(ProxyError):
     """No free port is left in `--proxy-port-range` for a service port."""
 
@@ -29,3 +33,7 @@ class ManifestError(ProxyError):
 
 class PortalsError(ProxyError):
     """iptables rules could not be read or applied."""
+
+
+class PrerequisiteError(ProxyError):
+    """The node or the process lacks what a requested mode needs; names it (exit code 1)."""

@@ -92,6 +92,19 @@ class ServicePortInfo:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class SourcePolicy:
+    """Transparent dialing is on (--preserve-source-ip): the node's local-client CIDRs.
+
+    A client in one of `client_cidrs` is a pod of this node (the Node's spec.podCIDRs, or the
+    cluster CIDR when kube-proxy's detectLocalMode says ClusterCIDR); its replies come back
+    through this node from any endpoint. An endpoint on this node (`local` in the pool) keeps
+    every client's address. Pools carry None while the mode is off.
+    """
+
+    client_cidrs: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Endpoint:
     """One backend address of a service port, with its EndpointSlice conditions."""
@@ -102,6 +115,10 @@ class Endpoint:
     serving: bool = True
     terminating: bool = False
     node_name: str | None = None
+    node_hints: tuple[str, ...] = ()
+    """`hints.forNodes` names: the nodes this endpoint should serve (PreferSameNode)."""
+    zone_hints: tuple[str, ...] = ()
+    """`hints.forZones` names: the zones this endpoint should serve (PreferClose/SameZone)."""
 
     @property
     def address(self) -> tuple[str, int]:
@@ -115,14 +132,15 @@ _EMPTY: Mapping[ServicePortName, object] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
-    """The complete desired state at one moment: every service port and all its endpoints.
+class Desired:
+    """Service ports and their endpoints as the cluster wants them served on this node: the
+    whole state (`Snapshot`) or what changed since the previous one (`Change`).
 
     `endpoints` holds every known endpoint (all conditions, all nodes); choosing the usable
     ones for a path is the balancer's job. `trigger_times` are the
     `endpoints.kubernetes.io/last-change-trigger-time` values (epoch seconds) of the
-    EndpointSlice changes folded into this snapshot since the previous one. `node_ips` are
-    the addresses the node's own traffic is DNATed to (the flag's, else the Node object's).
+    EndpointSlice changes folded into it since the previous one. `node_ips` are the
+    addresses the node's own traffic is DNATed to (the flag's, else the Node object's).
     """
 
     services: Mapping[ServicePortName, ServicePortInfo] = field(
@@ -133,23 +151,38 @@ class Snapshot:
     )
     node_name: str | None = None
     node_ips: tuple[str, ...] = ()
+    node_zone: str = ""
+    """The `topology.kubernetes.io/zone` label of the own Node ("": none), for zone hints."""
     trigger_times: tuple[float, ...] = ()
     service_changes: int = 0
-    """Service changes folded into this snapshot since the previous one."""
+    """Service changes folded in since the previous one."""
     endpoint_changes: int = 0
-    """EndpointSlice changes folded into this snapshot since the previous one."""
-    changed: frozenset[ServicePortName] | None = None
-    """None: the snapshot is complete. Else it is partial: the service ports added, changed
-    or removed since the previous snapshot, and `services`/`endpoints` hold only those of
-    them that exist now (a name in `changed` but not in `services` was removed)."""
-
-    @property
-    def partial(self) -> bool:
-        """True when this snapshot holds only the changes since the previous one."""
-        return self.changed is not None
+    """EndpointSlice changes folded in since the previous one."""
+    pod_cidrs: tuple[str, ...] = ()
+    """The own Node's spec.podCIDRs (empty: unknown or none)."""
+    source: SourcePolicy | None = None
+    """Transparent dialing (--preserve-source-ip) with the node's local-client CIDRs; None
+    while the mode is off. Set by the app from the configuration and `pod_cidrs`."""
 
     def endpoints_of(self, name: ServicePortName) -> tuple[Endpoint, ...]:
         return self.endpoints.get(name, ())
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot(Desired):
+    """The complete desired state at one moment: every service port and all its endpoints."""
+
+
+@dataclass(frozen=True, slots=True)
+class Change(Desired):
+    """What changed since the previous Snapshot or Change (kube-proxy's change tracker).
+
+    `changed` names the service ports added, changed or removed; `services` and `endpoints`
+    hold only those of them that exist now (a name in `changed` but not in `services` was
+    removed). Applied to the state it follows, it gives the state now.
+    """
+
+    changed: frozenset[ServicePortName] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

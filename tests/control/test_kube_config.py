@@ -7,11 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kube_userspace_proxy.cluster.sources.kube import (
-    KubeSource,
-    label_selector,
-    load_client_configuration,
-)
+from kube_userspace_proxy.cluster.sources.client import load_client_configuration
+from kube_userspace_proxy.cluster.sources.kube import KubeSource, label_selector
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.errors import ConfigError, ProxyError
 from tests.control.conftest import NODE, StartSource, node, service

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import app
 from kube_userspace_proxy.model import ServicePortName
 from kube_userspace_proxy.ops.metrics import sample_value
 from tests.control.conftest import endpoint_slice, eventually, service
@@ -107,7 +107,7 @@ async def test_a_failed_apply_is_followed_by_a_complete_sync_and_the_proxy_stays
     port_a, port_b = web
     async with running_proxy(kube_config(kubeconfig)) as proxy:
         await eventually(lambda: proxy.proxier.port_of(WEB), timeout=10, what="web served")
-        syncs = proxy.syncs
+        syncs = proxy.pipeline.syncs
         health = proxy.service_health
         real = health.sync
         failures = []
@@ -122,7 +122,7 @@ async def test_a_failed_apply_is_followed_by_a_complete_sync_and_the_proxy_stays
         apiserver.update(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_b))
         await _until_web_answers(proxy, "pod-b", "the change was lost with the failed apply")
         assert failures, "the apply did not run"
-        await eventually(lambda: proxy.syncs > syncs, timeout=10, what="a complete sync")
+        await eventually(lambda: proxy.pipeline.syncs > syncs, timeout=10, what="a complete sync")
         # The apply loop still runs: the next change is applied as before.
         apiserver.update(endpoint_slice("web-a", "web", ["127.0.0.1"], port=port_a))
         await _until_web_answers(proxy, "pod-a", "changes stopped after the failed apply")
@@ -161,7 +161,9 @@ async def test_network_programming_latency_ends_when_the_rules_are_live_not_afte
             lambda: rules.deferred_commits > deferred, timeout=20, what="the second commit"
         )
         await eventually(
-            lambda: proxy.syncs and not proxy.proxier.rules_pending, timeout=20, what="synced"
+            lambda: proxy.pipeline.syncs and not proxy.proxier.rules_pending,
+            timeout=20,
+            what="synced",
         )
         count, total = await _programming(ops.metrics_port)
         assert count > before[0]

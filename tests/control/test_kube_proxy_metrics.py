@@ -137,3 +137,40 @@ async def test_api_requests_are_counted_as_client_go_counts_them(
     assert sample_value(text, "kube_userspace_proxy_source_errors_total") == len(failures)
     assert sample_value(text, "kube_userspace_proxy_source_relists_total") == 0
     assert sample_value(text, "kube_userspace_proxy_source_bad_data_total") == 0
+
+
+async def test_full_and_partial_syncs_are_timed_apart_per_ip_family(
+    apiserver: FakeApiServer, kubeconfig: str
+) -> None:
+    family = {"ip_family": "IPv4"}  # bind address 127.0.0.1: the proxy ports serve IPv4
+    full = "kubeproxy_sync_full_proxy_rules_duration_seconds_count"
+    partial = "kubeproxy_sync_partial_proxy_rules_duration_seconds_count"
+    every = "kubeproxy_sync_proxy_rules_duration_seconds_count"
+    async with running_proxy(kube_config(kubeconfig, workers="1")) as proxy:
+        apiserver.create(service("web"))
+        apiserver.create(endpoint_slice("web-a", "web", ["10.1.0.1"], node_name=NODE))
+        await eventually(lambda: proxy.proxier.debug_state().get("default/web:http"))
+
+        async def counts() -> tuple[float, float, float]:
+            text = await scrape(proxy)
+            return tuple(  # type: ignore[return-value]
+                sample_value(text, name, family) or 0.0 for name in (full, partial, every)
+            )
+
+        async def first_full() -> bool:
+            return (await counts())[0] >= 1
+
+        assert await poll(first_full, True)
+        before = await counts()
+        # An endpoint change: served at once, without a complete sync (a partial one).
+        apiserver.update(endpoint_slice("web-a", "web", ["10.1.0.2"], node_name=NODE))
+
+        async def partial_seen() -> bool:
+            return (await counts())[1] > before[1]
+
+        assert await poll(partial_seen, True)
+        text = await scrape(proxy)
+    after = tuple(sample_value(text, name, family) or 0.0 for name in (full, partial, every))
+    assert after[2] == after[0] + after[1]  # every sync is one or the other
+    assert sample_value(text, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", family)
+    assert sample_value(text, every, {"ip_family": "IPv6"}) is None  # no IPv6 served

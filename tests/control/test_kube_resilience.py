@@ -7,7 +7,7 @@ import time
 
 from aiohttp import web
 
-from kube_userspace_proxy.cluster.sources.kube import (
+from kube_userspace_proxy.cluster.sources.watching import (
     WATCH_READ_SLACK,
     WATCH_TIMEOUT,
     watch_timeouts,

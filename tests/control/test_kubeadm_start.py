@@ -15,8 +15,7 @@ import aiohttp
 import pytest
 import yaml
 
-from kube_userspace_proxy import cli
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import app, cli
 from kube_userspace_proxy.config.settings import ProxyConfig
 from tests.fakes.apiserver import FakeApiServer
 from tests.loopback.proxyrun import running_proxy

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -108,7 +109,7 @@ async def test_a_restart_during_an_api_outage_serves_from_the_state_file(
         state = tmp_path / "state"
         await eventually(
             lambda: (
-                (saved := statefile.load(str(state), node_name=NODE)) is not None
+                (saved := statefile.load(str(state), node_name=NODE, loopback=True)) is not None
                 and len(saved[0].services) == len(NAMES)
             ),
             timeout=30,
@@ -193,3 +194,63 @@ def test_the_state_file_reads_back_what_was_written(tmp_path: Path) -> None:
     assert back.node_ips == ("192.0.2.10",)
     assert back_ports == ports
     assert statefile.load(str(tmp_path), node_name="another-node") is None  # foreign: ignored
+
+
+def _state_with_loopback_endpoint(state: Path, port: int, proxy_port: int) -> None:
+    """A state file as an earlier run in cluster mode never writes: web's endpoint on the
+    node's own loopback (a hand-edited or planted file)."""
+    from types import MappingProxyType
+
+    from kube_userspace_proxy.model import Endpoint, ServicePortInfo, ServicePortName
+    from kube_userspace_proxy.model import Snapshot as Snap
+
+    web = ServicePortName("default", "web", "http")
+    snapshot = Snap(
+        MappingProxyType({web: ServicePortInfo(web, 80, ("10.96.0.10",))}),
+        MappingProxyType({web: (Endpoint("127.0.0.1", port),)}),
+        NODE,
+    )
+    statefile.save(str(state), snapshot, {(str(web), "TCP", "cluster"): proxy_port})
+
+
+async def test_a_restored_loopback_endpoint_is_never_dialed_in_cluster_mode(
+    apiserver: FakeApiServer, kubeconfig: str, tmp_path: Path
+) -> None:
+    [(_, backend_port, backend)] = await start_named_backends(["pod-web"])
+    proxy = Proxy(kubeconfig, tmp_path / "state")
+    at = proxy.args.index("--loopback-endpoints")
+    del proxy.args[at : at + 2]  # cluster mode's policy: loopback endpoints denied
+    with socket.socket() as probe:  # a free port for the earlier run's proxy port
+        probe.bind(("127.0.0.1", 0))
+        proxy_port = probe.getsockname()[1]
+    _state_with_loopback_endpoint(tmp_path / "state", backend_port, proxy_port)
+    await apiserver.stop()  # served from the file, and only from it
+    try:
+        await proxy.start()
+        await eventually(lambda: "web" in proxy.ports, timeout=20, what="web served")
+        assert proxy.ports["web"] == proxy_port  # the file was read: its proxy port is taken
+        for _ in range(5):
+            assert await _answers(proxy_port) != "pod-web", "".join(proxy.lines)
+        dropped = [line for line in proxy.lines if "dropping an endpoint of default/web" in line]
+        assert len(dropped) == 1, "".join(proxy.lines)
+        assert "127.0.0.1 is a loopback address" in dropped[0]
+    finally:
+        await proxy.kill()
+        backend.close()
+
+
+async def test_a_state_directory_others_can_write_stops_the_proxy(
+    kubeconfig: str, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    state.chmod(0o777)
+    proxy = Proxy(kubeconfig, state)
+    await proxy.start()
+    assert proxy.process is not None
+    assert await asyncio.wait_for(proxy.process.wait(), 60) == 1
+    await proxy.kill()
+    text = "".join(proxy.lines)
+    assert f"refusing the state directory {state}: writable by its group or others" in text
+    assert "mode 0777" in text
+    assert not (state / "handover.sock").exists()

@@ -20,6 +20,7 @@ import copy
 import json
 import re
 import signal
+import socket
 import time
 import uuid
 from collections import deque
@@ -262,8 +263,11 @@ class FakeApiServer:
     def running(self) -> bool:
         return self._runner is not None
 
-    async def start(self) -> None:
-        """Listen (again) on the same port; objects and history survive a stop."""
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Listen (again) on the same port; objects and history survive a stop.
+
+        `sock`: a listening socket to serve on instead (one made in another network namespace).
+        """
         app = web.Application(middlewares=[self._middleware])
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         # handler_cancellation: like kube-apiserver, notice a client that hangs up on a quiet watch.
@@ -271,7 +275,11 @@ class FakeApiServer:
             app, handle_signals=False, shutdown_timeout=0.5, handler_cancellation=True
         )
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
+        site: web.BaseSite = (
+            web.SockSite(runner, sock)
+            if sock is not None
+            else web.TCPSite(runner, self.host, self.port)
+        )
         await site.start()
         sockets = getattr(site._server, "sockets", None) or ()
         self.port = sockets[0].getsockname()[1]

@@ -8,6 +8,7 @@ It starts Chromium, opens URL, then answers commands read line by line from stdi
 JSON line each on stdout:
 
     eval EXPRESSION      -> {"value": ...}   (the expression's JSON-able result)
+    viewport WIDTH       -> {"width": WIDTH}  (the window's width in CSS pixels from now on)
     screenshot PATH      -> {"saved": PATH}   (a PNG of the whole page)
     quit                 -> {"bye": true}
 
@@ -48,6 +49,7 @@ class Page:
     def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         self.ws = ws
         self.ids = itertools.count(1)
+        self.width = WIDTH
 
     async def call(self, method: str, **params: Any) -> dict[str, Any]:
         ident = next(self.ids)
@@ -68,11 +70,22 @@ class Page:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
+    async def viewport(self, width: int) -> None:
+        """Lay the page out as in a window `width` CSS pixels wide."""
+        self.width = width
+        await self.call(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=HEIGHT,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+
     async def screenshot(self, path: str) -> None:
         height = await self.evaluate("document.documentElement.scrollHeight")
         await self.call(
             "Emulation.setDeviceMetricsOverride",
-            width=WIDTH,
+            width=self.width,
             height=int(height),
             deviceScaleFactor=1,
             mobile=False,
@@ -141,6 +154,9 @@ async def _serve(page: Page) -> None:
         try:
             if command == "eval":
                 reply: dict[str, Any] = {"value": await page.evaluate(argument)}
+            elif command == "viewport":
+                await page.viewport(int(argument))
+                reply = {"width": int(argument)}
             elif command == "screenshot":
                 await page.screenshot(argument)
                 reply = {"saved": argument}

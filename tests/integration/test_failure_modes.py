@@ -1,5 +1,5 @@
-"""Faults the proxy must ride out, in network namespaces with real iptables (README "Failure
-modes"): iptables runs that fail on every call.
+"""Faults the proxy must ride out, in network namespaces with real iptables (docs/failure-modes.md):
+iptables runs that fail on every call.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Restarts that refuse nothing (README "Restarts and upgrades without refusals"): a new proxy
-process takes every socket over from the running one, in network namespaces with real
-iptables, while a client keeps opening connections through a ClusterIP.
+"""Restarts that refuse nothing (docs/operations.md, "Restarts and upgrades without
+refusals"): a new proxy process takes every socket over from the running one, in network
+namespaces with real iptables, while a client keeps opening connections through a ClusterIP.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def test_five_restarts_refuse_and_reset_nothing(
         if result["lost"]:
             for ns in (topology.node, topology.client):
                 print(ns.name, ns.run("nstat", "-az", "Udp*", check=False))
-        print(f"workers={workers}: {counts}")  # shown with -s: the figures in the README
+        print(f"workers={workers}: {counts}")  # shown with -s: the figures in docs/operations.md
         assert counts["refused"] == 0, result
         assert counts["reset"] == 0, result
         assert counts["other"] == 0, result
@@ -324,3 +324,77 @@ def test_other_worker_counts_stop_the_old_process_first(topology: Topology, tmp_
         for proxy in (old, new):
             for run_proc in proxy.runs:
                 stop(run_proc, signal.SIGKILL)
+
+
+# A same-user process in another network namespace that reaches the state directory: it says
+# hello, then asks for `op` ("take" or "stop") whatever it is offered; prints what it received.
+INTRUDER = textwrap.dedent(
+    """
+    import json, os, socket, sys, time
+    path, op = sys.argv[1], sys.argv[2]
+    got = {"descriptors": 0, "messages": [], "end": ""}
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    def send(message):
+        s.send(b"." + json.dumps(message).encode())
+    try:
+        s.connect(path)
+        send({"op": "hello", "version": 1, "workers": 1})
+        asked = False
+        while len(got["messages"]) < 100:
+            data, fds, _, _ = socket.recv_fds(s, 65536, 253)
+            got["descriptors"] += len(fds)
+            for fd in fds:
+                os.close(fd)
+            if not data:
+                got["end"] = "closed"
+                break
+            got["messages"].append(data[:120].decode(errors="replace"))
+            if not asked:
+                send({"op": op})
+                asked = True
+    except OSError as exc:
+        got["end"] = repr(exc)
+    print(json.dumps(got))
+    """
+)
+
+
+def test_a_peer_in_another_network_namespace_gets_nothing(
+    topology: Topology, tmp_path: Path
+) -> None:
+    _start_backends(topology, tmp_path)
+    manifest = tmp_path / "services.yaml"
+    write_manifest(manifest, _objects())
+    state = tmp_path / "state"
+    proxy = Proxy(
+        topology,
+        "restore",
+        manifest,
+        tmp_path / "proxy.log",
+        ("--state-dir", str(state), "--workers", "1"),
+    )
+    proxy.start()
+    try:
+        proxy.wait_rules(f"{WEB}/32")
+        _wait_log(proxy, "a new proxy process can take over")
+        wait_for(lambda: _ask(topology)[0] in PODS, "web answering")
+        sock = str(state / "handover.sock")
+        for op in ("take", "stop"):
+            # The client namespace is not the proxy's (the node's); same user (root).
+            got = json.loads(topology.client.python(INTRUDER, sock, op))
+            assert got["descriptors"] == 0, got
+            assert got["messages"] == [], got  # no offer, no state
+            assert proxy.proc is not None and proxy.proc.poll() is None, proxy.log.read_text()
+            assert set(_ask(topology, 6)) == set(PODS)
+        refusals = [
+            line
+            for line in proxy.log.read_text().splitlines()
+            if "refused a handover connection" in line
+        ]
+        assert len(refusals) == 2, refusals
+        assert all("another network namespace" in line for line in refusals), refusals
+        assert "handing every socket over" not in proxy.log.read_text()
+    finally:
+        for run_proc in proxy.runs:
+            stop(run_proc, signal.SIGKILL)

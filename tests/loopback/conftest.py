@@ -75,6 +75,7 @@ class RoundRobin:
         self.retries = 0
         self._next = 0
         self.proxy_protocol = 0
+        self.source = None
         self.picked = EndpointTally(("", 0))
 
     def pick(self, client_ip: str, *, retry: bool = False) -> tuple[str, int] | None:

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import yaml
 
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import app
 from kube_userspace_proxy.config.settings import ProxyConfig
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -90,6 +91,14 @@ async def test_endpoint_totals_rise_by_the_connections_each_endpoint_served(
         picks = view["services"][WEB]["balancer"]["cluster"]["recentPicks"]
         assert sum(len(w["picks"]) for w in picks) >= 10
         assert view["rules"] is None  # --iptables-backend none: the page says so
+        # ... and shows the rules that would capture the Service, not installed.
+        planned = view["planned"]
+        redirect = [r for r in planned if r["chain"].startswith("KUBE-PORTALS-CONTAINER")]
+        assert redirect, planned
+        assert all(f'"{WEB}"' in r["rule"] for r in redirect)
+        # To the proxy port (DNAT to 127.0.0.1:port here: the proxy listens on loopback only).
+        assert all(re.search(rf"\b{port}$", r["rule"]) for r in redirect), redirect
+        assert "10.96.0.10" in redirect[0]["why"]
 
 
 async def test_page_is_self_contained_and_streams_events(
@@ -180,3 +189,50 @@ def test_only_rules_naming_a_shown_service_port_reach_the_page() -> None:
         ("KUBE-PORTALS-CONTAINER-3F", 5),
         ("KUBE-PORTALS-CONTAINER-40", 1),
     ]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_udp_sessions_count_at_the_proxy_port_as_at_the_endpoints(
+    tmp_path: Path, udp_backends: Callable[[str], Awaitable[Any]], workers: str
+) -> None:
+    backend = await udp_backends("a")
+    manifest = tmp_path / "svc.yaml"
+    write_manifests(
+        manifest,
+        [
+            service("dns", [{"name": "dns", "port": 53, "protocol": "UDP"}]),
+            *endpoint_slice("dns", "dns", [("127.0.0.1", backend.address[1])], protocol="UDP"),
+        ],
+    )
+    name = "default/dns:dns"
+    async with running_proxy(loopback_config(manifest, workers=workers)) as proxy:
+        assert proxy.ops is not None
+        state_url = f"http://127.0.0.1:{proxy.ops.metrics_port}/debug/ui/state"
+        port = proxy.proxier.port_of(proxy.proxier.proxied_ports()[0].info.name)
+        view: dict[str, Any] = {}
+
+        async def sessions() -> tuple[int, int]:
+            view.update(json.loads((await get(state_url))[2]))
+            entry = view["services"][name]
+            (endpoint,) = entry["balancer"]["cluster"]["endpoints"]
+            return entry["udp"]["sessionsTotal"], endpoint["total"]
+
+        assert await sessions() == (0, 0)
+        loop = asyncio.get_running_loop()
+        for client in range(3):  # each client socket is a session of its own
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, ("127.0.0.1", port))
+                await loop.sock_sendall(sock, b"ping %d" % client)
+                answer = await asyncio.wait_for(loop.sock_recv(sock, 100), 10)
+                assert answer == b"a|ping %d" % client
+            finally:
+                sock.close()
+        for _ in range(250):  # the workers' counters arrive with the next collect
+            if await sessions() == (3, 3):
+                break
+            await asyncio.sleep(0.02)
+        # The proxy port counts the sessions its endpoints count (not 0 "accepted").
+        assert await sessions() == (3, 3)
+        assert view["services"][name]["connections"]["accepted"] == 0

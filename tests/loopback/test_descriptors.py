@@ -34,6 +34,7 @@ CHILD = textwrap.dedent(
             self.addresses = (self.address,)
             self.failed = 0
             self.proxy_protocol = 0
+            self.source = None
             self.picked = EndpointTally(self.address)
         def pick(self, client_ip, *, retry=False):
             return self.address

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import app
 from kube_userspace_proxy.errors import ConfigError
 from tests.loopback.proxyrun import (
     ask,

@@ -20,7 +20,8 @@ from kube_userspace_proxy.model import (
     Snapshot,
 )
 from kube_userspace_proxy.ports import PortAllocator
-from kube_userspace_proxy.proxier.reconciler import LocalDataPlane, Proxier
+from kube_userspace_proxy.proxier.local import LocalDataPlane
+from kube_userspace_proxy.proxier.reconciler import Proxier
 from tests.loopback.proxyrun import ask, start_named_backends, wait_for
 
 A = ServicePortName("default", "a", "http", Protocol.TCP)

@@ -19,13 +19,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kube_userspace_proxy.app import proxy as app
+from kube_userspace_proxy import app
 from kube_userspace_proxy.balancer import PINS_SHOWN
 from kube_userspace_proxy.dataplane.steering import worker_of
 from kube_userspace_proxy.model import Protocol, ServicePortName
 from kube_userspace_proxy.ops.metrics import sample_value
 from kube_userspace_proxy.workers import pool as workerpool
+from kube_userspace_proxy.workers import publisher
 from kube_userspace_proxy.workers.process import REPORT_PART
+from kube_userspace_proxy.workers.protocol import Collected
 from tests.loopback.proxyrun import (
     LOOPBACK_RUN_FLAGS,
     endpoint_slice,
@@ -116,6 +118,84 @@ async def test_a_start_gives_each_reuseport_group_one_steering_program(
             seen.setdefault(client, set()).add(await ask_from(client, port))
     assert all(len(names) == 1 for names in seen.values()), seen  # steered by client IP
     assert len({next(iter(names)) for names in seen.values()}) == 3
+
+
+def _clients_of(worker: int) -> list[str]:
+    """The client addresses the steering program sends to `worker`."""
+    return [c for c in CLIENTS if worker_of(c, WORKERS) == worker]
+
+
+async def _steered(proxy: app.Proxy) -> workerpool.WorkerPool:
+    """The worker pool, once every worker's socket is in the web port's group."""
+    pool = proxy.workers
+    assert pool is not None
+    key = ("TCP", "127.0.0.1", _port(proxy))
+    await wait_for(lambda: set(pool.members(key)) == set(range(WORKERS)), 30, "both workers")
+    return pool
+
+
+async def _picks_by_worker(proxy: app.Proxy, pool: workerpool.WorkerPool) -> dict[int, list[str]]:
+    """Each worker's recent picks for the web port (endpoint addresses), as it reports them."""
+    await pool.collect(debug=True)
+    balancer = proxy.proxier.debug_state()[str(WEB)]["balancer"]["cluster"]
+    return {
+        entry["worker"]: [endpoint for endpoint, _ in entry["picks"]]
+        for entry in balancer["recentPicks"]
+    }
+
+
+async def test_each_worker_starts_its_round_robin_at_a_different_endpoint(
+    proxy_with_workers: app.Proxy, backends: list[tuple[str, int, asyncio.Server]]
+) -> None:
+    # The demo's /debug/ui showed two sticky clients, one per worker, both pinned to #1.
+    proxy = proxy_with_workers
+    pool = await _steered(proxy)
+    port = _port(proxy)
+    first = {w: await ask_from(_clients_of(w)[0], port) for w in range(WORKERS)}
+    # Each connection was the first pick of the worker it was steered to.
+    by_port = {f"127.0.0.1:{p}": name for name, p, _ in backends}
+    picks = await _picks_by_worker(proxy, pool)
+    assert {w: [by_port[a] for a in picks.get(w, [])] for w in range(WORKERS)} == {
+        w: [name] for w, name in first.items()
+    }
+    assert len(set(first.values())) == WORKERS, first
+
+
+async def test_a_table_push_neither_resets_nor_moves_back_a_workers_round_robin(
+    tmp_path: Path,
+    proxy_with_workers: app.Proxy,
+    backends: list[tuple[str, int, asyncio.Server]],
+) -> None:
+    proxy = proxy_with_workers
+    pool = await _steered(proxy)
+    port = _port(proxy)
+    fresh = {w: iter(_clients_of(w)) for w in range(WORKERS)}  # a new client: a new pick
+    picked: dict[int, list[str]] = {w: [] for w in range(WORKERS)}
+    for w in range(WORKERS):
+        for _ in range(2):
+            picked[w].append(await ask_from(next(fresh[w]), port))
+    names = {name for name, _, _ in backends}
+    assert all(len(set(p)) == 2 for p in picked.values()), picked
+    # The push: a fourth endpoint joins; once the proxier has it, the workers have it too
+    # when a publish returns (it sends the change, or waits for the one sending it).
+    extra = await start_named_backends(["d"])
+    try:
+        ports = [p for _, p, _ in (*backends, *extra)]
+        write_manifests(tmp_path / "svc.yaml", _web(ports, sessionAffinity="ClientIP"))
+        await wait_for(
+            lambda: len(proxy.proxier.debug_state()[str(WEB)]["endpoints"]["cluster"]) == 4,
+            30,
+            "the fourth endpoint",
+        )
+        await pool.publish()
+        for w in range(WORKERS):
+            # Three endpoints before the push: the one each worker has not picked yet was its
+            # next, and still is (a reset would give its start again, a step back its last).
+            (expected,) = names - set(picked[w])
+            assert await ask_from(next(fresh[w]), port) == expected, (w, picked[w])
+    finally:
+        for _, _, server in extra:
+            server.close()
 
 
 async def test_counters_are_summed_over_the_workers(proxy_with_workers: app.Proxy) -> None:
@@ -449,13 +529,13 @@ async def test_reports_come_in_parts_and_are_summed_whole(
         assert pool is not None
         await wait_for(lambda: pool.alive == WORKERS and _port(proxy) != 0, seconds=60)
         parts: list[tuple[int, int]] = []  # (worker, request) of each part the control took
-        take_part = pool._take_part
+        take_part = pool._counters.take_part
 
-        def counting(worker: Any, message: tuple[Any, ...]) -> None:
-            parts.append((message[2], message[1]))
-            take_part(worker, message)
+        def counting(worker: Any, part: Collected) -> None:
+            parts.append((part.worker, part.seq))
+            take_part(worker, part)
 
-        pool._take_part = counting  # type: ignore[method-assign]
+        pool._counters.take_part = counting  # type: ignore[method-assign]
         for client in CLIENTS:
             await ask_from(client, _port(proxy))
         assert proxy.ops is not None
@@ -600,7 +680,7 @@ async def test_a_big_delta_goes_to_the_workers_in_parts_each_port_joined_in_orde
     backends: list[tuple[str, int, asyncio.Server]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(workerpool, "PART", 3)  # 8 ports: parts of 3, 3 and 2
+    monkeypatch.setattr(publisher, "PART", 3)  # 8 ports: parts of 3, 3 and 2
     ports = [p for _, p, _ in backends]
     objects: list[Any] = []
     for i in range(8):

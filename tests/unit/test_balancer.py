@@ -301,6 +301,111 @@ def test_update_with_same_endpoints_changes_nothing() -> None:
     assert pool.pick("third") not in (None, before)
 
 
+# -- copies of a pool, one per worker: where each starts --------------------------------------
+
+
+def copies(slots: int, endpoints: list[Endpoint]) -> list[EndpointPool]:
+    """Each worker's copy of one pool, given the same endpoints (as a table push does)."""
+    pools = [EndpointPool(NAME, slot=slot, slots=slots) for slot in range(slots)]
+    for pool in pools:
+        pool.update(endpoints, affinity_timeout=None)
+    return pools
+
+
+@given(st.integers(1, 8), st.integers(1, 12))
+def test_the_first_picks_of_n_workers_spread_over_the_endpoints(slots: int, count: int) -> None:
+    firsts = Counter(pool.pick("1.2.3.4") for pool in copies(slots, eps(count)))
+    # Fewer workers than endpoints: n different endpoints; more: every endpoint, evenly.
+    assert len(firsts) == min(slots, count)
+    assert max(firsts.values()) - min(firsts.values()) <= 1
+
+
+def test_fewer_workers_than_endpoints_start_as_far_apart_as_they_can() -> None:
+    a, b, c, d, e, f = eps(6)
+    firsts = [pool.pick("1.2.3.4") for pool in copies(2, [a, b, c, d, e, f])]
+    # Each worker's first three picks are different endpoints from the other's (with starts
+    # at #1 and #2 they would share two of three), so sticky clients spread from the start.
+    assert firsts == [a.address, d.address]
+
+
+@given(st.integers(1, 8), st.integers(1, 12), st.integers(0, 40))
+def test_each_copy_still_visits_every_endpoint_evenly(slots: int, count: int, turns: int) -> None:
+    for pool in copies(slots, eps(count)):
+        for _ in range(turns):
+            pool.pick("1.2.3.4")
+        picks = Counter(pool.pick("1.2.3.4") for _ in range(count * 3))
+        assert picks == {e.address: 3 for e in eps(count)}
+
+
+def test_a_pool_without_a_pick_starts_where_its_new_slot_starts() -> None:
+    a, b, c = eps(3)
+    pool = EndpointPool(NAME, slot=-2, slots=2)  # a warm spare's (SPARE is -2)
+    pool.update([a, b, c], affinity_timeout=None)
+    pool.take_slot(1, 2)  # it becomes worker 1
+    assert pool.pick("1.2.3.4") == b.address
+
+
+def test_a_pool_that_picked_keeps_its_place_when_it_takes_a_slot() -> None:
+    a, b, c, d = eps(4)
+    pool = EndpointPool(NAME, slot=0, slots=2)
+    pool.update([a, b, c, d], affinity_timeout=None)
+    assert pool.pick("1.2.3.4") == a.address
+    pool.take_slot(1, 2)  # slot 1 starts at c: a pool that picked goes on in its order
+    assert pool.pick("1.2.3.4") == b.address
+
+
+def test_updates_before_the_first_pick_place_the_cursor_at_the_slot_start() -> None:
+    a, b, c, d = eps(4)
+    pool = EndpointPool(NAME, slot=1, slots=2)
+    pool.update([a], affinity_timeout=None)  # one endpoint: every worker starts on it
+    pool.update([a, b, c, d], affinity_timeout=None)  # nothing picked yet: spread now
+    assert pool.pick("1.2.3.4") == c.address
+
+
+def test_endpoints_back_after_none_start_at_the_slot_start_again() -> None:
+    a, b, c, d = eps(4)
+    pool = EndpointPool(NAME, slot=1, slots=2)
+    pool.update([a, b, c, d], affinity_timeout=None)
+    assert [pool.pick("1.2.3.4") for _ in range(3)] == [c.address, d.address, a.address]
+    pool.update([], affinity_timeout=None)
+    pool.update([a, b, c, d], affinity_timeout=None)
+    assert pool.pick("1.2.3.4") == c.address
+
+
+@given(
+    st.integers(1, 4),
+    st.integers(2, 10),
+    st.integers(0, 25),
+    # The push: endpoints removed (by index), endpoints added, the new order.
+    st.tuples(
+        st.lists(st.integers(0, 9), unique=True), st.integers(0, 3), st.permutations(range(13))
+    ),
+)
+def test_a_table_push_neither_resets_nor_moves_the_cursor_back(
+    slots: int, count: int, turns: int, push: tuple[list[int], int, list[int]]
+) -> None:
+    removed_idx, added, order = push
+    old = eps(count)
+    for slot in range(slots):
+        pool = EndpointPool(NAME, slot=slot, slots=slots)
+        pool.update(old, affinity_timeout=None)
+        picked = [pool.pick("1.2.3.4") for _ in range(turns + 1)]
+        removed = {old[i].address for i in removed_idx if i < count}
+        kept = [e for e in old if e.address not in removed]
+        new = kept + [Endpoint(f"10.0.1.{i}", 8080) for i in range(added)]
+        new = [new[i] for i in order if i < len(new)]  # the push may reorder them, too
+        pool.update(new, affinity_timeout=None)
+        after = pool.pick("1.2.3.4")
+        if not kept:  # no order to keep: any endpoint of the new list
+            assert after in {e.address for e in new} if new else after is None
+            continue
+        # The endpoint it would have picked next, or the first survivor after it in the old
+        # order: never the slot's start again, never one it picked just before.
+        last = [e.address for e in old].index(picked[-1])
+        following = [old[(last + step) % count].address for step in range(1, count + 1)]
+        assert after == next(a for a in following if a not in removed)
+
+
 # -- what /debug/ui shows: recent picks, per-endpoint tallies, penalties ----------------------
 
 

@@ -10,6 +10,7 @@ with default, kind and monitoring values.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import shutil
@@ -101,6 +102,9 @@ def with_value(dotted: str, value: Any) -> dict[str, Any]:
         ("extraArgs", ["v=4"]),
         ("livenessProbe.path", "/metrics"),
         ("typo", True),
+        ("preserveSourceIP.mark", "0x3000"),  # one bit only
+        ("preserveSourceIP.table", 254),  # the kernel's main table
+        ("preserveSourceIP.enabled", "yes"),
     ],
 )
 def test_schema_rejects_bad_values(dotted: str, bad: Any) -> None:
@@ -117,6 +121,8 @@ def test_schema_rejects_bad_values(dotted: str, bad: Any) -> None:
         ("config.iptables.syncPeriod", "1m30s"),
         ("config.portRange", "30000-30100"),
         ("apiServer.host", "kind-control-plane"),
+        ("preserveSourceIP.mark", "0x20000000"),
+        ("preserveSourceIP.table", 7000),
     ],
 )
 def test_schema_accepts_good_values(dotted: str, good: Any) -> None:
@@ -256,8 +262,12 @@ def test_config_file_maps_every_chart_field() -> None:
 # -- with helm -----------------------------------------------------------------------------
 
 
-def helm_backend() -> tuple[Callable[[dict[str, Any]], list[str]], Callable[[], str]] | None:
-    """(template(values) -> rendered docs, lint() -> problems) from helm or helm_python."""
+Render = Callable[[dict[str, Any]], list[str]]
+
+
+def helm_backend() -> tuple[Render, Callable[[], str], Callable[[dict[str, Any]], str]] | None:
+    """(template(values) -> rendered docs, lint() -> problems, notes(values) -> NOTES.txt as
+    rendered) from helm or helm_python."""
     if shutil.which("helm"):
 
         def template_cli(values: dict[str, Any]) -> list[str]:
@@ -281,7 +291,21 @@ def helm_backend() -> tuple[Callable[[dict[str, Any]], list[str]], Callable[[], 
             )
             return "" if proc.returncode == 0 else proc.stdout + proc.stderr
 
-        return template_cli, lint_cli
+        def notes_cli(values: dict[str, Any]) -> str:
+            # `helm template` leaves NOTES.txt out; a client-side dry run prints it last.
+            install = ["helm", "install", "kup", str(CHART), "-n", "kube-system"]
+            proc = subprocess.run(
+                [*install, "--dry-run=client", "-f", "-"],
+                input=json.dumps(values),
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if proc.returncode:
+                raise RuntimeError(proc.stderr)
+            return proc.stdout.split("\nNOTES:\n", 1)[1]
+
+        return template_cli, lint_cli, notes_cli
     try:
         import helm_python
     except ImportError:
@@ -306,7 +330,13 @@ def helm_backend() -> tuple[Callable[[dict[str, Any]], list[str]], Callable[[], 
         problems = [m["error"] for m in report["messages"] if m["severity"] >= 2]
         return "\n".join(problems + report["errors"])
 
-    return template_sdk, lint_sdk
+    def notes_sdk(values: dict[str, Any]) -> str:
+        with helm_python.Chart.load(str(CHART)) as chart:
+            rendered = chart.render(values, name="kup", namespace="kube-system")
+        (notes,) = [text for name, text in rendered.items() if name.endswith("/NOTES.txt")]
+        return notes
+
+    return template_sdk, lint_sdk, notes_sdk
 
 
 HELM = helm_backend()
@@ -454,6 +484,52 @@ def test_image_entrypoint_is_the_installed_command_the_chart_runs() -> None:
     assert "apt-get install -y --no-install-recommends iptables" in dockerfile
 
 
+def in_build_context(path: str) -> bool:
+    """Whether .dockerignore lets `path` into the image's build context (Docker's rules:
+    the last matching pattern wins, `!` lets in, a matched directory takes its contents)."""
+    parts = path.split("/")
+    inside = True
+    for raw in (ROOT / ".dockerignore").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        pattern = line.removeprefix("!").rstrip("/")
+        if pattern.startswith("**/"):
+            hit = any(fnmatch.fnmatchcase(part, pattern[3:]) for part in parts)
+        else:  # the path itself or the directory holding it, at the pattern's depth
+            depth = pattern.count("/") + 1
+            hit = len(parts) >= depth and fnmatch.fnmatchcase("/".join(parts[:depth]), pattern)
+        if hit:
+            inside = line.startswith("!")
+    return inside
+
+
+def test_build_context_holds_what_the_dockerfile_copies_and_no_virtualenv() -> None:
+    copied = []
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not words[1].startswith("--from"):
+            copied += words[1:-1]
+    assert {"pyproject.toml", "README.md", "LICENSE", "src"} <= set(copied)
+    for source in copied:
+        assert (ROOT / source).exists(), source
+        assert in_build_context(source), f"{source} is copied but .dockerignore leaves it out"
+    assert in_build_context("src/kube_userspace_proxy/ops/static/debug-ui.html")
+    for left_out in (
+        ".venv/bin/python",
+        ".venv-floors/bin/python",
+        ".git/HEAD",
+        ".site/index.html",
+        ".mypy_cache/3.11/x.json",
+        ".ruff_cache/CACHEDIR.TAG",
+        ".pytest_cache/README.md",
+        "tests/unit/test_chart.py",
+        "benchmarks/results/peers.json",
+        "src/kube_userspace_proxy/__pycache__/cli.cpython-311.pyc",
+    ):
+        assert not in_build_context(left_out), left_out
+
+
 def test_image_healthcheck_asks_the_default_health_address() -> None:
     port = VALUES["config"]["healthzBindAddress"].rsplit(":", 1)[1]
     healthcheck = re.search(r"HEALTHCHECK.*?\n(?:.*\\\n)*.*", (ROOT / "Dockerfile").read_text())
@@ -505,6 +581,43 @@ def test_helm_renders_extra_volumes_and_kubeadms_kubeconfig() -> None:
     assert "--metrics-per-service-port=false" in container["args"]
 
 
+def notes(values: dict[str, Any]) -> str:
+    assert HELM is not None
+    return " ".join(HELM[2](values).split())  # one line: the template wraps its sentences
+
+
+@needs_helm
+def test_notes_with_kubeadms_kubeconfig_name_its_server_not_the_cluster_ip() -> None:
+    # The migration guide's path: the proxy reads kubeadm's kubeconfig, which names the
+    # control plane; neither the ClusterIP nor apiServer.host is involved.
+    text = notes({"kubeconfig": {"configMap": "kube-proxy"}})
+    assert "ConfigMap kube-system/kube-proxy (key kubeconfig.conf), passed as --kubeconfig" in text
+    assert "get configmap kube-proxy -o jsonpath='{.data.kubeconfig\\.conf}'" in text
+    assert "apiServer.host is empty" not in text and "set apiServer.host" not in text
+    assert "directly at" not in text
+
+
+@needs_helm
+def test_notes_with_an_api_server_host_name_that_address() -> None:
+    text = notes({"apiServer": {"host": "kind-control-plane", "port": 6443}})
+    assert "directly at https://kind-control-plane:6443" in text
+    assert "--kubeconfig" not in text
+
+
+@needs_helm
+def test_notes_say_which_way_wins_when_several_are_given() -> None:
+    text = notes(
+        {
+            "apiServer": {"host": "10.0.0.5"},
+            "kubeconfig": {"configMap": "kube-proxy"},
+            "extraArgs": ["--master=https://10.0.0.9:6443"],
+        }
+    )
+    assert "passed as --kubeconfig" in text and "directly at" not in text
+    assert "apiServer.host (10.0.0.5) is not used: the kubeconfig takes precedence" in text
+    assert "extraArgs' --master=https://10.0.0.9:6443 overrides that server" in text
+
+
 def test_security_context_defaults_runtime_seccomp_and_no_net_raw() -> None:
     context = VALUES["securityContext"]
     assert context["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -547,6 +660,23 @@ def test_a_node_proxy_without_rules_is_refused_by_the_schema() -> None:
 
 
 def test_no_memory_limit_and_a_request_from_measured_rss() -> None:
-    # An OOM kill cuts every proxied connection on the node (README "Failure modes").
+    # An OOM kill cuts every proxied connection on the node (docs/failure-modes.md).
     assert "limits" not in VALUES["resources"]
     assert VALUES["resources"]["requests"]["memory"] == "192Mi"
+
+
+def test_preserve_source_ip_passes_the_flags_the_proxy_accepts() -> None:
+    values = {**KIND_VALUES, "preserveSourceIP": {"enabled": True, "mark": "0x20000", "table": 7}}
+    pod = render(values)["DaemonSet"]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    flags = ["--preserve-source-ip", "--transparent-mark=0x20000", "--transparent-table=7"]
+    assert all(flag in args for flag in flags)
+    parsed = cli.make_parser().parse_args(["run", *flags])
+    config = cli.parse_config(parsed)
+    assert (config.preserve_source_ip, config.transparent_mark, config.transparent_table) == (
+        True,
+        0x20000,
+        7,
+    )
+    plain = render(KIND_VALUES)["DaemonSet"]["spec"]["template"]["spec"]
+    assert not any("transparent" in a or "preserve" in a for a in plain["containers"][0]["args"])

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from kube_userspace_proxy.model import Protocol, ServicePortName
-from kube_userspace_proxy.proxier import reconciler as proxier
+from kube_userspace_proxy.proxier import debugview as proxier
 from tests.turns import Turns
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 
 from kube_userspace_proxy.app.runner import BoundedFrequencyRunner
+
+SLACK = 0.05
+"""Seconds a sync's recorded time may lag its token on a busy machine (preemption)."""
 
 
 async def _until(predicate, seconds: float = 30.0) -> None:  # type: ignore[no-untyped-def]
@@ -35,8 +37,12 @@ async def test_a_storm_of_requests_is_bounded_by_min_interval() -> None:
         elapsed = runs[-1] - started
         # One sync per min_interval on average, plus the burst of two saved up since start.
         assert len(runs) - 1 <= 2 + elapsed / 0.2 + 1
-        gaps = [b - a for a, b in itertools.pairwise(runs[2:])]
-        assert all(gap >= 0.19 for gap in gaps), gaps  # once the burst is spent
+        # Once the burst is spent, syncs follow the token schedule: the k-th one after it comes
+        # about k min_intervals later. The times are taken inside fn, a little after the token:
+        # on a busy machine a preempted process records one late, so SLACK allows for that (a
+        # runner that ignored min_interval would sync every 2 ms of the storm).
+        spent = runs[2:]
+        assert all(t - spent[0] >= k * 0.2 - SLACK for k, t in enumerate(spent)), spent
     finally:
         task.cancel()
 
@@ -84,9 +90,8 @@ async def test_with_a_burst_of_one_every_sync_waits_min_interval() -> None:
         await _until(lambda: len(runs) >= 2)
         await asyncio.sleep(0.5)
         # One run per min_interval while requests came (3 when they took ~0.2 s), no more.
-        assert 2 <= len(runs) <= 2 + int(requested / 0.2)
-        gaps = [b - a for a, b in itertools.pairwise(runs)]
-        assert all(gap >= 0.19 for gap in gaps)
+        assert 2 <= len(runs) <= 2 + int(requested / 0.2), runs
+        assert all(t - runs[0] >= k * 0.2 - SLACK for k, t in enumerate(runs)), runs
     finally:
         task.cancel()
 

@@ -1,5 +1,21 @@
-"""The control process's wiring: sources -> state -> runner -> proxier, ops, restarts, signals.
+"""The control process's wiring and life: sources -> state -> pipeline -> proxier, ops, signals.
 
-- `proxy`: the `Proxy` object (what is applied, and when) and `serve`, the process's life.
+- `lifecycle`: the process's life, top to bottom: `serve -> startup -> main loop -> shutdown`;
+  signals; `rules_text` (the `rules` command); `run_loop` (uvloop or asyncio).
+- `proxy`: the `Proxy` object, its parts wired together (sources' state, proxier, workers,
+  portals, health, metrics); which node IPs apply; restoring a saved state.
+- `pipeline`: what is applied when: each change at once to listeners and pools (the apply
+  loop), rule commits and full resyncs by the runner, then health, metrics and the state file.
+- `latency`: trigger times -> the network-programming latency, measured when a change is served.
+- `saver`: the state-file saver (the applied state written in the background after changes).
+- `handover`: the app's side of a handover: what the running proxy gives (`Giver`), how a
+  new one adopts it and serves at once, and how the old one hands over and drains.
 - `runner`: the bounded-frequency runner that coalesces changes into syncs.
+
+The entry points the CLI, the demo and tests use are re-exported here.
 """
+
+from kube_userspace_proxy.app.lifecycle import build, rules_text, run_loop, serve
+from kube_userspace_proxy.app.proxy import Proxy
+
+__all__ = ["Proxy", "build", "rules_text", "run_loop", "serve"]

@@ -7,6 +7,7 @@ Malformed naming the first one that is wrong; what to do about it is the caller'
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 from collections import Counter
@@ -32,13 +33,15 @@ LABEL_HEADLESS = "service.kubernetes.io/headless"
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"
 ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 ANNOTATION_PROXY_PROTOCOL = "kube-userspace-proxy.io/proxy-protocol"
-_PROXY_PROTOCOL_VERSIONS = {"v1": 1, "v2": 2}
+PROXY_PROTOCOL_VERSIONS = {"v1": 1, "v2": 2}
 TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
+LABEL_TOPOLOGY_ZONE = "topology.kubernetes.io/zone"
+_IP_MODES = frozenset({"VIP", "Proxy"})
 
-_MAX_AFFINITY_TIMEOUT = 86400  # kube-apiserver's validation limit
+MAX_AFFINITY_TIMEOUT = 86400  # kube-apiserver's validation limit
 _EXTERNALLY_ACCESSIBLE_TYPES = frozenset({"NodePort", "LoadBalancer"})
 _SERVICE_TYPES = frozenset({"ClusterIP", "NodePort", "LoadBalancer", "ExternalName"})
-_PROTOCOLS = frozenset({"TCP", "UDP", "SCTP"})
+PROTOCOLS = frozenset({"TCP", "UDP", "SCTP"})
 
 T = TypeVar("T")
 
@@ -64,6 +67,22 @@ class SliceEndpoint:
     serving: bool
     terminating: bool
     node_name: str | None
+    node_hints: tuple[str, ...] = ()
+    zone_hints: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFacts:
+    """What the proxy uses of its own Node object."""
+
+    ips: tuple[str, ...]
+    """Node IPs as Kubernetes' GetNodeHostIPs ranks them: the primary one per family."""
+    eligible: bool
+    """False while the Node is being deleted or tainted for scale-down."""
+    zone: str = ""
+    """Its `topology.kubernetes.io/zone` label ("": none)."""
+    pod_cidrs: tuple[str, ...] = ()
+    """Its spec.podCIDRs, canonical (transparent proxying's local clients)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +134,14 @@ def _items(obj: Mapping[str, Any], key: str, where: str) -> list[Any]:
     return _field(obj, key, list, where, [])
 
 
-def _port(value: Any, where: str) -> int:
+def port_number(value: Any, where: str) -> int:
+    """`value` as a port number (1-65535, never a bool); Malformed naming `where` otherwise."""
     if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= 65535:
         raise Malformed(f"{where}: {value!r} is not a port number (1-65535)")
     return value
 
 
-def _ip(value: Any, where: str, version: int | None = None) -> str:
+def ip_address(value: Any, where: str, version: int | None = None) -> str:
     """A valid IP address in canonical form (inet_pton: strict and ~7x faster than ipaddress)."""
     if not isinstance(value, str):
         raise Malformed(f"{where}: expected an IP address, got {value!r}")
@@ -135,7 +155,7 @@ def _ip(value: Any, where: str, version: int | None = None) -> str:
     return canonical
 
 
-def _forbidden(ip: str, obj_kind: str, field: str, *, loopback: bool = False) -> str | None:
+def forbidden_kind(ip: str, obj_kind: str, field: str, *, loopback: bool = False) -> str | None:
     """The kind of a canonical address that is never proxied (counted), or None."""
     packed = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
     kind = addresses.forbidden_kind(packed)
@@ -149,9 +169,9 @@ def _forbidden(ip: str, obj_kind: str, field: str, *, loopback: bool = False) ->
 def _usable_ip(
     value: Any, where: str, obj_kind: str, key: Key, field: str, *, loopback: bool = False
 ) -> str | None:
-    """`_ip(value)`, or None (logged and counted) when it is loopback, link-local, etc."""
-    ip = _ip(value, where)
-    kind = _forbidden(ip, obj_kind, field, loopback=loopback)
+    """`ip_address(value)`, or None (logged and counted) when it is loopback, link-local, etc."""
+    ip = ip_address(value, where)
+    kind = forbidden_kind(ip, obj_kind, field, loopback=loopback)
     if kind is None:
         return ip
     log.warning("%s %s/%s: ignoring %s %s: a %s address is never proxied", obj_kind, *key,
@@ -159,10 +179,11 @@ def _usable_ip(
     return None
 
 
-def _dns_label(value: str, where: str) -> str:
-    if not _DNS_LABEL.fullmatch(value):
+def dns_label(value: Any, where: str) -> str:
+    """`value` when it is a DNS-1123 label (as Kubernetes checks names); Malformed otherwise."""
+    if not isinstance(value, str) or not _DNS_LABEL.fullmatch(value):
         raise Malformed(
-            f"{where}: {value[:80]!r} is not a DNS-1123 label (at most 63 characters:"
+            f"{where}: {str(value)[:80]!r} is not a DNS-1123 label (at most 63 characters:"
             " lowercase letters, digits and '-', starting and ending alphanumeric)"
         )
     return value
@@ -188,7 +209,7 @@ def object_key(obj: Any) -> Key:
     if not namespace:
         raise Malformed("metadata.namespace is missing")
     # The API server enforces these; manifests must too, as names reach iptables comments.
-    _dns_label(namespace, "metadata.namespace")
+    dns_label(namespace, "metadata.namespace")
     if len(name) > _MAX_SUBDOMAIN or not _DNS_SUBDOMAIN.fullmatch(name):
         raise Malformed(f"metadata.name: {name[:80]!r} is not a DNS-1123 subdomain")
     return (namespace, name)
@@ -237,16 +258,16 @@ def parse_service(
     """The service ports of a proxied Service, the names of its skipped SCTP ports, and the
     problems that do not stop it being proxied (each worth one warning)."""
     namespace, name = key
-    _dns_label(name, "metadata.name")  # a Service name is a label, not a subdomain
+    dns_label(name, "metadata.name")  # a Service name is a label, not a subdomain
     spec = _mapping(obj, "spec", "")
     proxy_protocol, problems = _proxy_protocol(_mapping(obj, "metadata", ""))
     kind = _field(spec, "type", str, "spec.", "ClusterIP")
     raw_ips = _field(spec, "clusterIPs", list, "spec.", [])
     if not raw_ips:
         raw_ips = [_field(spec, "clusterIP", str, "spec.", "")]
-    cluster_ips = tuple(_ip(ip, f"spec.clusterIPs[{i}]") for i, ip in enumerate(raw_ips))
+    cluster_ips = tuple(ip_address(ip, f"spec.clusterIPs[{i}]") for i, ip in enumerate(raw_ips))
     for i, ip in enumerate(cluster_ips):
-        if (bad := _forbidden(ip, "Service", "clusterIP")) is not None:
+        if (bad := forbidden_kind(ip, "Service", "clusterIP")) is not None:
             raise Malformed(f"spec.clusterIPs[{i}]: {ip} is a {bad} address")
     external_ips: list[str] = []
     for i, raw in enumerate(_items(spec, "externalIPs", "spec.")):
@@ -259,6 +280,13 @@ def parse_service(
         where = f"status.loadBalancer.ingress[{i}]"
         if not isinstance(ingress, Mapping):
             raise Malformed(f"{where}: expected an object, got {ingress!r}")
+        ip_mode = _field(ingress, "ipMode", str, f"{where}.", "VIP")
+        if ip_mode not in _IP_MODES:
+            raise Malformed(f"{where}.ipMode: unknown mode {ip_mode!r} (VIP or Proxy)")
+        if ip_mode == "Proxy":
+            # KEP-1860: the load balancer proxies to the NodePorts itself; capturing its IP
+            # here would short-circuit it (its PROXY headers, TLS, health checks).
+            continue
         if ingress.get("ip"):  # hostname-only ingresses are for the cloud's DNS, not us
             usable = _usable_ip(ingress["ip"], f"{where}.ip", "Service", key, "loadBalancerIP")
             if usable is not None:
@@ -275,10 +303,10 @@ def parse_service(
         "spec.sessionAffinityConfig.clientIP.",
         DEFAULT_AFFINITY_TIMEOUT_SECONDS,
     )
-    if affinity == "ClientIP" and not 0 < timeout <= _MAX_AFFINITY_TIMEOUT:
+    if affinity == "ClientIP" and not 0 < timeout <= MAX_AFFINITY_TIMEOUT:
         raise Malformed(
             f"spec.sessionAffinityConfig.clientIP.timeoutSeconds: {timeout} is not in"
-            f" 1-{_MAX_AFFINITY_TIMEOUT}"
+            f" 1-{MAX_AFFINITY_TIMEOUT}"
         )
     internal_local = _policy(spec, "internalTrafficPolicy")
     external = kind in _EXTERNALLY_ACCESSIBLE_TYPES or bool(external_ips)
@@ -287,7 +315,7 @@ def parse_service(
     # kube-proxy serves a health check only for LoadBalancer Services with the Local policy.
     health_port = 0
     if kind == "LoadBalancer" and external_local and spec.get("healthCheckNodePort"):
-        health_port = _port(spec["healthCheckNodePort"], "spec.healthCheckNodePort")
+        health_port = port_number(spec["healthCheckNodePort"], "spec.healthCheckNodePort")
 
     infos: list[ServicePortInfo] = []
     sctp: list[ServicePortName] = []
@@ -298,17 +326,17 @@ def parse_service(
             raise Malformed(f"{where}: expected an object, got {port!r}")
         port_name = _field(port, "name", str, f"{where}.", "")
         if port_name:
-            _dns_label(port_name, f"{where}.name")
+            dns_label(port_name, f"{where}.name")
         if port_name in seen:
             raise Malformed(f"{where}.name: duplicate port name {port_name!r}")
         seen.add(port_name)
         protocol = _field(port, "protocol", str, f"{where}.", "TCP")
-        if protocol not in _PROTOCOLS:
+        if protocol not in PROTOCOLS:
             raise Malformed(f"{where}.protocol: unknown protocol {protocol!r}")
-        number = _port(port.get("port"), f"{where}.port")
+        number = port_number(port.get("port"), f"{where}.port")
         node_port = port.get("nodePort") or 0
         if node_port:
-            node_port = _port(node_port, f"{where}.nodePort")
+            node_port = port_number(node_port, f"{where}.nodePort")
         if protocol == "SCTP":
             sctp.append(ServicePortName(namespace, name, port_name))
             continue
@@ -339,7 +367,7 @@ def _proxy_protocol(meta: Mapping[str, Any]) -> tuple[int, tuple[str, ...]]:
     if not isinstance(annotations, Mapping) or ANNOTATION_PROXY_PROTOCOL not in annotations:
         return 0, ()
     value = annotations[ANNOTATION_PROXY_PROTOCOL]
-    version = _PROXY_PROTOCOL_VERSIONS.get(value) if isinstance(value, str) else None
+    version = PROXY_PROTOCOL_VERSIONS.get(value) if isinstance(value, str) else None
     if version is None:
         return 0, (
             f"annotation {ANNOTATION_PROXY_PROTOCOL}: {value!r} is not v1 or v2;"
@@ -390,13 +418,13 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
             raise Malformed(f"{where}: expected an object, got {port!r}")
         port_name = _field(port, "name", str, f"{where}.", "")
         if port_name:
-            _dns_label(port_name, f"{where}.name")
+            dns_label(port_name, f"{where}.name")
         protocol = _field(port, "protocol", str, f"{where}.", "TCP")
-        if protocol not in _PROTOCOLS:
+        if protocol not in PROTOCOLS:
             raise Malformed(f"{where}.protocol: unknown protocol {protocol!r}")
         if port.get("port") is None:
             continue  # "not restricted": kube-proxy has no port to send to either
-        number = _port(port["port"], f"{where}.port")
+        number = port_number(port["port"], f"{where}.port")
         if protocol != "SCTP":
             ports.append((port_name, Protocol(protocol), number))
 
@@ -409,7 +437,7 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
         if not addresses:
             raise Malformed(f"{where}.addresses is empty")
         # kube-proxy uses the first address only; the others are the same pod.
-        ip = _ip(addresses[0], f"{where}.addresses[0]", version)
+        ip = ip_address(addresses[0], f"{where}.addresses[0]", version)
         usable = _usable_ip(
             ip, f"{where}.addresses[0]", "EndpointSlice", key, "endpoint", loopback=loopback
         )
@@ -421,8 +449,33 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
         serving = _field(conditions, "serving", bool, cwhere, ready)  # nil defers to ready
         terminating = _field(conditions, "terminating", bool, cwhere, False)
         node_name = _field(endpoint, "nodeName", str, f"{where}.", "") or None
-        endpoints.append(SliceEndpoint(ip, ready, serving, terminating, node_name))
+        hints = _mapping(endpoint, "hints", f"{where}.")
+        endpoints.append(
+            SliceEndpoint(
+                ip,
+                ready,
+                serving,
+                terminating,
+                node_name,
+                _hint_names(hints, "forNodes", f"{where}.hints."),
+                _hint_names(hints, "forZones", f"{where}.hints."),
+            )
+        )
     return Slice((key[0], service), tuple(ports), tuple(endpoints))
+
+
+def _hint_names(hints: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
+    """The names in `hints.forNodes` or `hints.forZones` (each item `{name: ...}`)."""
+    names: list[str] = []
+    for i, hint in enumerate(_items(hints, key, where)):
+        if not isinstance(hint, Mapping):
+            raise Malformed(f"{where}{key}[{i}]: expected an object, got {hint!r}")
+        name = _field(hint, "name", str, f"{where}{key}[{i}].", "")
+        if not name:
+            raise Malformed(f"{where}{key}[{i}].name is missing")
+        if name not in names:
+            names.append(name)
+    return tuple(names)
 
 
 def trigger_time(obj: Mapping[str, Any]) -> float | None:
@@ -442,9 +495,10 @@ def trigger_time(obj: Mapping[str, Any]) -> float | None:
 # -- Node -----------------------------------------------------------------------------------
 
 
-def parse_node(node: Mapping[str, Any]) -> tuple[tuple[str, ...], bool]:
-    """(node IPs as Kubernetes' GetNodeHostIPs ranks them; eligible to receive traffic)."""
+def parse_node(node: Mapping[str, Any]) -> NodeFacts:
+    """The own Node's IPs, eligibility, zone and podCIDRs; raises Malformed naming a bad field."""
     meta = _mapping(node, "metadata", "")
+    zone = _labels(meta).get(LABEL_TOPOLOGY_ZONE) or ""
     eligible = not meta.get("deletionTimestamp")
     for i, taint in enumerate(_items(_mapping(node, "spec", ""), "taints", "spec.")):
         if not isinstance(taint, Mapping):
@@ -457,5 +511,20 @@ def parse_node(node: Mapping[str, Any]) -> tuple[tuple[str, ...], bool]:
         if not isinstance(address, Mapping):
             raise Malformed(f"{where}: expected an object, got {address!r}")
         if address.get("type") in {"InternalIP", "ExternalIP"}:
-            _ip(address.get("address"), f"{where}.address")
-    return addresses.node_ips(node), eligible
+            ip_address(address.get("address"), f"{where}.address")
+    return NodeFacts(addresses.node_ips(node), eligible, zone, _pod_cidrs(node))
+
+
+def _pod_cidrs(node: Mapping[str, Any]) -> tuple[str, ...]:
+    """The Node's spec.podCIDRs (spec.podCIDR when only that is set); malformed ones left out."""
+    spec = node.get("spec")
+    if not isinstance(spec, Mapping):
+        return ()
+    listed = spec.get("podCIDRs") or ([spec["podCIDR"]] if spec.get("podCIDR") else [])
+    cidrs = []
+    for cidr in listed if isinstance(listed, list) else []:
+        try:
+            cidrs.append(str(ipaddress.ip_network(str(cidr), strict=False)))
+        except ValueError:
+            log.debug("Node: bad podCIDR %r", cidr)
+    return tuple(cidrs)

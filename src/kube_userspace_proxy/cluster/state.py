@@ -7,14 +7,16 @@ malformed one is skipped with one log line naming it, and never stops the rest.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, TypeVar
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.cluster.objects import (
     Key,
     Malformed,
+    NodeFacts,
     Skip,
     Slice,
     describe,
@@ -25,12 +27,19 @@ from kube_userspace_proxy.cluster.objects import (
     parse_slice,
     trigger_time,
 )
-from kube_userspace_proxy.model import Endpoint, ServicePortInfo, ServicePortName, Snapshot
+from kube_userspace_proxy.cluster.sink import Event, Kind, StateSink
+from kube_userspace_proxy.model import (
+    Change,
+    Desired,
+    Endpoint,
+    ServicePortInfo,
+    ServicePortName,
+    Snapshot,
+)
 
 log = logs.get(__name__)
 
-Kind = Literal["Service", "EndpointSlice"]
-Event = Literal["ADDED", "MODIFIED", "DELETED"]
+D = TypeVar("D", bound=Desired)
 
 
 # -- the state ------------------------------------------------------------------------------
@@ -71,6 +80,8 @@ class ClusterState:
         self._trigger_times: list[float] = []
         self._node_ips: tuple[str, ...] = ()
         self._node_eligible = True
+        self._node_zone = ""
+        self._pod_cidrs: tuple[str, ...] = ()
         # Snapshot parts kept between snapshots; only services marked dirty are rebuilt.
         self._dirty: set[Key] = set()
         self._built: dict[Key, tuple[ServicePortName, ...]] = {}
@@ -92,6 +103,11 @@ class ClusterState:
     @property
     def node_ips(self) -> tuple[str, ...]:
         return self._node_ips
+
+    @property
+    def node_zone(self) -> str:
+        """The own Node's `topology.kubernetes.io/zone` label ("": none or unknown)."""
+        return self._node_zone
 
     # -- input ----------------------------------------------------------------------------
 
@@ -164,20 +180,28 @@ class ClusterState:
             self.on_change()
 
     def set_node(self, node: Mapping[str, Any] | None) -> None:
-        """Take the own Node object (None: unknown or gone): its addresses and eligibility."""
-        ips: tuple[str, ...] = ()
-        eligible = True
+        """Take the own Node object (None: unknown or gone): addresses, eligibility, zone,
+        podCIDRs."""
+        facts = NodeFacts((), True)
         if node is not None:
             try:
-                ips, eligible = parse_node(node)
+                facts = parse_node(node)
             except Exception as exc:
                 log.warning("skipping Node %s: %s", _name_of(node), exc)
                 return
-        if (ips, eligible) == (self._node_ips, self._node_eligible):
+        known = NodeFacts(self._node_ips, self._node_eligible, self._node_zone, self._pod_cidrs)
+        if facts == known:
             return
-        if not eligible and self._node_eligible:
+        if not facts.eligible and self._node_eligible:
             log.info("node %s is being deleted: reporting not eligible", _name_of(node))
-        self._node_ips, self._node_eligible = ips, eligible
+        if (facts.ips, facts.zone, facts.pod_cidrs) != (known.ips, known.zone, known.pod_cidrs):
+            if facts.zone != self._node_zone:
+                log.info("node zone is now %r (was %r)", facts.zone, self._node_zone)
+            # Zone hints, NodePort addresses (`primary`), local clients (podCIDRs): every
+            # service port is chosen again.
+            self._touched.update(self._snap_services)
+        self._node_ips, self._node_eligible = facts.ips, facts.eligible
+        self._node_zone, self._pod_cidrs = facts.zone, facts.pod_cidrs
         self.on_change()
 
     # -- output ---------------------------------------------------------------------------
@@ -186,10 +210,10 @@ class ClusterState:
         """The complete state now; resets the trigger times and pending change counts."""
         self._rebuild_dirty()
         self._touched.clear()
-        return self._take(dict(self._snap_services), dict(self._snap_endpoints), None)
+        return self._take(Snapshot, dict(self._snap_services), dict(self._snap_endpoints))
 
-    def changes(self) -> Snapshot:
-        """What changed since the last snapshot, as a partial Snapshot (`Snapshot.changed`).
+    def changes(self) -> Change:
+        """What changed since the last snapshot or changes (`Change.changed`).
 
         Costs time in proportion to the change: only the Services changed since are rebuilt,
         and only their service ports are copied. Resets what `snapshot()` resets.
@@ -199,9 +223,9 @@ class ClusterState:
         services = self._snap_services
         endpoints = self._snap_endpoints
         return self._take(
+            functools.partial(Change, changed=frozenset(touched)),
             {n: services[n] for n in touched if n in services},
             {n: endpoints[n] for n in touched if n in endpoints},
-            frozenset(touched),
         )
 
     def view(self) -> Snapshot:
@@ -211,6 +235,8 @@ class ClusterState:
             endpoints=MappingProxyType(dict(self._snap_endpoints)),
             node_name=self.node_name,
             node_ips=self._node_ips,
+            node_zone=self._node_zone,
+            pod_cidrs=self._pod_cidrs,
         )
 
     def _rebuild_dirty(self) -> None:
@@ -220,24 +246,25 @@ class ClusterState:
 
     def _take(
         self,
+        make: Callable[..., D],
         services: dict[ServicePortName, ServicePortInfo],
         endpoints: dict[ServicePortName, tuple[Endpoint, ...]],
-        changed: frozenset[ServicePortName] | None,
-    ) -> Snapshot:
+    ) -> D:
         times = tuple(self._trigger_times)
         self._trigger_times.clear()
         changes = (self.pending_service_changes, self.pending_endpoint_changes)
         self.pending_service_changes = 0
         self.pending_endpoint_changes = 0
-        return Snapshot(
+        return make(
             services=MappingProxyType(services),
             endpoints=MappingProxyType(endpoints),
             node_name=self.node_name,
             node_ips=self._node_ips,
+            node_zone=self._node_zone,
+            pod_cidrs=self._pod_cidrs,
             trigger_times=times,
             service_changes=changes[0],
             endpoint_changes=changes[1],
-            changed=changed,
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -389,7 +416,14 @@ class ClusterState:
                     # The same endpoint in two slices (during a move): the ready copy wins.
                     if seen is None or (e.ready and not seen.ready):
                         into[(e.ip, number)] = Endpoint(
-                            e.ip, number, e.ready, e.serving, e.terminating, e.node_name
+                            e.ip,
+                            number,
+                            e.ready,
+                            e.serving,
+                            e.terminating,
+                            e.node_name,
+                            e.node_hints,
+                            e.zone_hints,
                         )
         for info in infos:
             self._touched.add(info.name)
@@ -418,3 +452,6 @@ def _name_of(node: Mapping[str, Any] | None) -> str:
     if isinstance(node, Mapping) and isinstance(node.get("metadata"), Mapping):
         return str(node["metadata"].get("name") or "?")
     return "?"
+
+
+_sink: StateSink = ClusterState()  # conformance: ClusterState is a StateSink

@@ -6,14 +6,15 @@ means "the default" exactly where kube-proxy's defaulting gives one. Fields of r
 1.32 are all known; an unknown field is a warning (kube-proxy decodes strictly, then leniently
 with a warning); a `mode` other than userspace is a warning too.
 
-This module knows the document's shape; `config.py` maps it onto ProxyConfig fields.
+This module knows the document's shape; `fields.py` says which of its fields apply here and
+`settings.py` maps them onto ProxyConfig fields.
 """
 
 from __future__ import annotations
 
 import copy
 import ipaddress
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 from kube_userspace_proxy import logs
@@ -96,33 +97,6 @@ SCHEMA: dict[str, Any] = {
     "udpIdleTimeout": _LEAF,
     "windowsRunAsService": _LEAF,
 }
-
-APPLIED = frozenset(
-    {
-        "apiVersion",
-        "kind",
-        "mode",
-        "bindAddress",
-        "healthzBindAddress",
-        "metricsBindAddress",
-        "portRange",
-        "udpIdleTimeout",
-        "configSyncPeriod",
-        "hostnameOverride",
-        "nodePortAddresses",
-        "clusterCIDR",
-        "oomScoreAdj",
-        "iptables.syncPeriod",
-        "iptables.minSyncPeriod",
-        "clientConnection.kubeconfig",
-        "clientConnection.qps",
-        "clientConnection.burst",
-        "logging.format",
-        "logging.verbosity",
-    }
-)
-"""Dotted field paths that mean something to this proxy; every other known one is accepted and
-logged once as not applicable when it carries a value."""
 
 
 def is_zero(value: Any) -> bool:
@@ -244,12 +218,13 @@ def strip_unknown(doc: Mapping[str, Any], *, source: str) -> dict[str, Any]:
     return keep(doc, SCHEMA)
 
 
-def not_applicable(doc: Mapping[str, Any]) -> list[str]:
-    """Known fields that carry a value (not zero) but mean nothing to userspace mode."""
+def not_applicable(doc: Mapping[str, Any], applied: Collection[str]) -> list[str]:
+    """Known fields that carry a value (not zero) but are not `applied` (dotted paths, each
+    with what is under it): they mean nothing to userspace mode."""
     found = []
     for path, value, known in _walk(doc, SCHEMA):
-        applied = path in APPLIED or any(path.startswith(f"{a}.") for a in APPLIED)
-        if known and not applied and not is_zero(value):
+        applies = path in applied or any(path.startswith(f"{a}.") for a in applied)
+        if known and not applies and not is_zero(value):
             found.append(path)
     return sorted(found)
 

@@ -17,8 +17,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.addresses import NODEPORT_PRIMARY
 from kube_userspace_proxy.config import kubeproxy as kpc
-from kube_userspace_proxy.errors import ConfigError
+from kube_userspace_proxy.config import validation
+from kube_userspace_proxy.config.fields import APPLIED_PATHS, FILE_FIELDS
+from kube_userspace_proxy.errors import ConfigError, InvalidConfigError
+from kube_userspace_proxy.model import SourcePolicy
 
 log = logs.get(__name__)
 
@@ -87,6 +91,15 @@ def split_host_port(text: str) -> tuple[str, int]:
 
 
 Backend = Literal["auto", "iptc", "restore", "none"]
+TRANSPARENT_MARK = 0x1000
+"""--transparent-mark's default: bit 12. kube-proxy uses 0x4000 and 0x8000, CNI portmap 0x2000,
+Calico 0xffff0000 (iptablesMarkMask), Cilium 0x0f00 (magic marks) and identities above 16
+bits, Weave 0x20000/0x40000, Istio 0x539 (1337) and 0x10-0x200, AWS VPC CNI 0x80."""
+TRANSPARENT_TABLE = 4040
+"""--transparent-table's default. Taken elsewhere: 1-250 (Calico's routeTableRange), 52
+(Tailscale), 77-79 (kube-router), 100-103 and 133 (Istio), 2004-2006 and 2050+ (Cilium),
+2..N (AWS VPC CNI, one per ENI); 253-255 are the kernel's default, main and local."""
+_RESERVED_MARKS = 0xC000  # kube-proxy's masquerade and drop bits
 MAX_WORKERS = 64
 AUTO_WORKERS_MAX = 4
 
@@ -134,7 +147,8 @@ class ProxyConfig(BaseModel):
     kube_api_burst: int = 10
     """Burst of requests allowed above kube_api_qps."""
     nodeport_addresses: tuple[str, ...] = ()
-    """CIDRs whose local addresses answer NodePorts; empty: every local address."""
+    """CIDRs whose local addresses answer NodePorts, or `primary` (the Node's IP of each
+    family, followed); empty: every local address."""
     cluster_cidr: str = ""
     """The cluster's Pod CIDR (informational; shown in /configz)."""
     service_proxy_name: str = ""
@@ -175,6 +189,47 @@ class ProxyConfig(BaseModel):
     """After handing every socket over to a new process and draining: exit (0), or wait for
     SIGTERM (in a DaemonSet, whose controller deletes the old pod once the new one is ready)."""
 
+    preserve_source_ip: bool = False
+    """Dial backends from the client's own address where the reply comes back through this
+    node (clients that are this node's pods, endpoints on this node); needs CAP_NET_ADMIN."""
+    transparent_mark: int = TRANSPARENT_MARK
+    """The packet-mark bit that sends replies to transparent sockets to the local table."""
+    transparent_table: int = TRANSPARENT_TABLE
+    """The routing table that holds `local default dev lo` for marked replies."""
+
+    @field_validator("transparent_mark")
+    @classmethod
+    def _check_mark(cls, value: int) -> int:
+        if value <= 0 or value >= 1 << 32 or value & (value - 1):
+            raise ValueError("must be one bit (a power of two below 2^32), e.g. 0x1000")
+        if value & _RESERVED_MARKS:
+            raise ValueError("0x4000 and 0x8000 are kube-proxy's masquerade and drop marks")
+        return value
+
+    @field_validator("transparent_table")
+    @classmethod
+    def _check_table(cls, value: int) -> int:
+        if not 1 <= value < 1 << 32 or value in {253, 254, 255}:
+            raise ValueError("must be 1..2^32-1 and not 253-255 (default, main, local)")
+        return value
+
+    def source_policy(self, pod_cidrs: tuple[str, ...]) -> SourcePolicy | None:
+        """The SourcePolicy in force with the Node's `pod_cidrs`; None without the flag.
+
+        This node's pods are its podCIDRs. Without them, kube-proxy's detectLocalMode
+        ClusterCIDR makes the cluster CIDR count (right only where every client of this node's
+        proxy ports inside it is a pod of this node); other modes give no local clients, and
+        only endpoints on this node keep the client's address.
+        """
+        if not self.preserve_source_ip:
+            return None
+        if pod_cidrs:
+            return SourcePolicy(pod_cidrs)
+        mode = str(self.kube_proxy_config.get("detectLocalMode") or "")
+        if mode == "ClusterCIDR" and self.cluster_cidr:
+            return SourcePolicy(tuple(filter(None, self.cluster_cidr.split(","))))
+        return SourcePolicy()
+
     @field_validator("bind_address")
     @classmethod
     def _check_ip(cls, value: str) -> str:
@@ -192,7 +247,7 @@ class ProxyConfig(BaseModel):
     @classmethod
     def _check_cidrs(cls, value: Any) -> tuple[str, ...]:
         cidrs = expand_nodeport_addresses(tuple(str(v) for v in value or ()))
-        for cidr in cidrs:
+        for cidr in cidrs if cidrs != (NODEPORT_PRIMARY,) else ():
             ipaddress.ip_network(cidr, strict=False)
         return cidrs
 
@@ -326,26 +381,6 @@ def format_port_range(port_range: tuple[int, int] | None) -> str:
     return "0-0" if port_range is None else f"{port_range[0]}-{port_range[1]}"
 
 
-# KubeProxyConfiguration fields applied here: dotted path in the document -> ProxyConfig field.
-_FILE_FIELDS: dict[str, str] = {
-    "bindAddress": "bind_address",
-    "healthzBindAddress": "healthz_bind_address",
-    "metricsBindAddress": "metrics_bind_address",
-    "portRange": "proxy_port_range",
-    "udpIdleTimeout": "udp_idle_timeout",
-    "configSyncPeriod": "config_sync_period",
-    "hostnameOverride": "hostname_override",
-    "nodePortAddresses": "nodeport_addresses",
-    "clusterCIDR": "cluster_cidr",
-    "oomScoreAdj": "oom_score_adj",
-    "iptables.syncPeriod": "sync_period",
-    "iptables.minSyncPeriod": "min_sync_period",
-    "clientConnection.kubeconfig": "kubeconfig",
-    "clientConnection.qps": "kube_api_qps",
-    "clientConnection.burst": "kube_api_burst",
-    "logging.verbosity": "verbosity",
-    "logging.format": "log_format",
-}
 API_VERSION = kpc.API_VERSION
 
 
@@ -391,6 +426,9 @@ def config_from_document(doc: Mapping[str, Any], *, source: str = "config") -> d
             raise fail(section, "expected an object")
     known = kpc.strip_unknown(doc, source=source)
     mode = known.get("mode") or ""
+    refused = validation.mode_problem(str(mode), "KubeProxyConfiguration.mode")
+    if refused:
+        raise InvalidConfigError(f"{source}: {refused}")
     if mode not in {"", "userspace"}:
         log.warning(
             "%s: mode %r ignored: this proxy implements kube-proxy's userspace mode (Services "
@@ -399,12 +437,13 @@ def config_from_document(doc: Mapping[str, Any], *, source: str = "config") -> d
             mode,
             mode,
         )
-    ignored = kpc.not_applicable(known)
+    ignored = kpc.not_applicable(known, APPLIED_PATHS)
     if ignored:
         log.info("%s: not applicable in userspace mode, ignored: %s", source, ", ".join(ignored))
     effective = kpc.set_defaults(known)
     out: dict[str, Any] = {}
-    for path, name in _FILE_FIELDS.items():
+    for path, field in FILE_FIELDS.items():
+        name = field.name
         value = kpc.get(effective, path)
         if value is None or value == "":
             continue
@@ -423,19 +462,22 @@ def config_from_document(doc: Mapping[str, Any], *, source: str = "config") -> d
 def expand_nodeport_addresses(values: Sequence[str]) -> tuple[str, ...]:
     """kube-proxy's nodePortAddresses keywords as CIDRs: `localhost`, `all`; empty means all.
 
-    `primary` (the Node object's IPs) cannot be expanded before the Node is known: it is dropped
-    with a warning, leaving the other entries (or every local address when none is left).
+    `primary` alone stays as it is: the Node's primary IPs, followed as they change (see
+    `addresses.primary_cidrs`). Beside CIDRs, which kube-proxy refuses, it is dropped with a
+    warning, leaving the other entries.
     """
+    if tuple(values) == (NODEPORT_PRIMARY,):
+        return (NODEPORT_PRIMARY,)
     out: list[str] = []
     for value in values:
         if value == "all":
             return ()
         if value == "localhost":
             out += ["127.0.0.0/8", "::1/128"]
-        elif value == "primary":
+        elif value == NODEPORT_PRIMARY:
             log.warning(
-                "nodePortAddresses 'primary' is not supported; give the node's CIDRs instead "
-                "(NodePorts answer on every local address otherwise)"
+                "nodePortAddresses 'primary' beside CIDRs is ignored: it must be the only"
+                " entry, as kube-proxy requires"
             )
         else:
             out.append(value)
@@ -445,31 +487,17 @@ def expand_nodeport_addresses(values: Sequence[str]) -> tuple[str, ...]:
 def effective_document(config: ProxyConfig) -> dict[str, Any]:
     """The KubeProxyConfiguration (camelCase, v1alpha1) in force: defaults < file < flags."""
     doc = copy.deepcopy(config.kube_proxy_config) or kpc.set_defaults({})
-    values: dict[str, Any] = {
-        "bind_address": config.bind_address,
-        "healthz_bind_address": config.healthz_bind_address,
-        "metrics_bind_address": config.metrics_bind_address,
-        "proxy_port_range": config.proxy_port_range,
-        "udp_idle_timeout": format_duration(config.udp_idle_timeout),
-        "config_sync_period": format_duration(config.config_sync_period),
-        "hostname_override": config.hostname_override,
-        "nodeport_addresses": list(config.nodeport_addresses) or None,
-        "cluster_cidr": config.cluster_cidr,
-        "oom_score_adj": config.oom_score_adj,
-        "sync_period": format_duration(config.sync_period),
-        "min_sync_period": format_duration(config.min_sync_period),
-        "kubeconfig": config.kubeconfig,
-        "kube_api_qps": config.kube_api_qps,
-        "kube_api_burst": config.kube_api_burst,
-        "verbosity": config.verbosity,
-        "log_format": config.log_format,
-    }
-    for path, name in _FILE_FIELDS.items():
+    for path, field in FILE_FIELDS.items():
+        value = getattr(config, field.name)
+        if field.kind == "duration":
+            value = format_duration(value)
+        elif field.kind == "csv":
+            value = list(value) or None
         *parents, leaf = path.split(".")
         node = doc
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = values[name]
+        node[leaf] = value
     doc["mode"] = "userspace"
     return doc
 
@@ -477,16 +505,45 @@ def effective_document(config: ProxyConfig) -> dict[str, Any]:
 def build_config(
     file_values: Mapping[str, Any], flag_values: Mapping[str, Any], *, source: str = "config"
 ) -> ProxyConfig:
-    """Merge file values under flag values and validate; ConfigError names the field at fault."""
-    merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
-    try:
-        return ProxyConfig(**merged)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or "?"
-        reason = first["msg"].removeprefix("Value error, ")
-        value = merged.get(str(first["loc"][0])) if first["loc"] else None
-        raise ConfigError(f"{source}: {field}={value!r}: {reason}") from None
+    """Merge file values under flag values and validate as kube-proxy does; InvalidConfigError
+    names each field at fault as kube-proxy does (the flag, when a flag gave the value)."""
+    flags = {k: v for k, v in flag_values.items() if v is not None}
+    merged = {**file_values, **flags}
+
+    def place(name: str) -> str:
+        return validation.where(name, from_flag=name in flags)
+
+    found = validation.problems(merged, place)
+    if not found:
+        try:
+            config = ProxyConfig(**merged)
+        except ValidationError as exc:
+            for error in exc.errors():
+                name = str(error["loc"][0]) if error["loc"] else "?"
+                reason = error["msg"].removeprefix("Value error, ")
+                found.append(validation.invalid(place(name), merged.get(name), reason))
+        else:
+            parsed = {name: getattr(config, name) for name in _PERIODS}
+            shown = {  # a flag's duration arrives parsed: shown the Go way again
+                name: format_duration(merged[name])
+                if isinstance(merged[name], float)
+                else merged[name]
+                for name in _PERIODS
+                if name in merged
+            }
+            found = validation.period_problems(parsed, shown, place)
+            if not found:
+                return config
+    # A file's field says which file (a flag names itself).
+    file_named = source.startswith("--config") and any(
+        line.startswith("KubeProxyConfiguration.") for line in found
+    )
+    prefix = f"{source}: " if file_named else ""
+    # One line, as Go's aggregate of field errors prints several: [a, b].
+    raise InvalidConfigError(prefix + (found[0] if len(found) == 1 else f"[{', '.join(found)}]"))
+
+
+_PERIODS = ("udp_idle_timeout", "config_sync_period", "sync_period", "min_sync_period")
 
 
 def field_doc(name: str) -> str:

@@ -26,6 +26,7 @@ from kube_userspace_proxy import logs
 from kube_userspace_proxy.dataplane import proxyproto
 from kube_userspace_proxy.dataplane import splice as splicing
 from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, Tally, notices
+from kube_userspace_proxy.dataplane.transparent import chooser_for, dial_from
 
 log = logs.get(__name__)
 
@@ -37,10 +38,11 @@ SPLICE_AFTER_READS = 4
 class _NoTally:
     """Counters of a connection not yet dialed: bumped by nobody, read by nobody."""
 
-    __slots__ = ("active", "bytes_in", "bytes_out", "total")
+    __slots__ = ("active", "bytes_in", "bytes_out", "local", "total")
 
     def __init__(self) -> None:
         self.active = self.total = self.bytes_in = self.bytes_out = 0
+        self.local = False
 
 
 _NO_TALLY: Tally = _NoTally()
@@ -337,12 +339,16 @@ class Connection(asyncio.Protocol):
             return
         loop = shared.loop
         settings = self.settings
+        chooser = chooser_for(picker.source) if picker.source is not None else None
         for timeout in settings.dial_timeouts:
             b = BackendSide(self)
             # call_later + cancel costs less per connection than asyncio.timeout().
             timer = loop.call_later(timeout, self._dial_timed_out)
             try:
-                await loop.create_connection(b, address[0], address[1])
+                if chooser is None:
+                    await loop.create_connection(b, address[0], address[1])
+                else:  # --preserve-source-ip
+                    await dial_from(loop, b, address, chooser, client_ip, ep.local, stats)
             except (Exception, asyncio.CancelledError) as exc:
                 if isinstance(exc, asyncio.CancelledError):
                     if not self.timed_out:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Protocol
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.model import SourcePolicy
 
 log = logs.get(__name__)
 
@@ -24,6 +25,8 @@ class Tally(Protocol):
     total: int
     bytes_in: int
     bytes_out: int
+    local: bool
+    """The endpoint runs on this node: its replies come back through this node."""
 
 
 class Picker(Protocol):
@@ -48,6 +51,9 @@ class Picker(Protocol):
 
     proxy_protocol: int
     """PROXY protocol version sent to the endpoints before the first byte (1, 2; 0: none)."""
+
+    source: SourcePolicy | None
+    """Transparent dialing (--preserve-source-ip) and the node's local clients; None: off."""
 
     @property
     def addresses(self) -> tuple[tuple[str, int], ...]:
@@ -92,6 +98,13 @@ class ConnStats:
     no_descriptors: int = 0
     udp_sessions_evicted: int = 0
     """Idle UDP sessions ended early to make room for a new client (table full)."""
+    source_node: int = 0
+    """--preserve-source-ip: dials (TCP connections, UDP sessions) from the node's address
+    (an external client and a remote endpoint, or a client on the node itself)."""
+    source_client_pod: int = 0
+    """--preserve-source-ip: dials from the client's address because it is a pod of this node."""
+    source_local_endpoint: int = 0
+    """--preserve-source-ip: dials from the client's address because the endpoint is local."""
 
     @property
     def udp_dropped(self) -> int:

@@ -24,6 +24,11 @@ from typing import Any, Protocol
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, Tally, notices
+from kube_userspace_proxy.dataplane.transparent import (
+    chooser_for,
+    count_source,
+    transparent_socket,
+)
 
 log = logs.get(__name__)
 
@@ -275,11 +280,24 @@ class UdpListener:
             stats.refused_no_endpoints += 1
             return None
         family = socket.AF_INET6 if ":" in backend[0] else socket.AF_INET
+        source = self.picker.source
+        reason, bind_ip = 0, ""
+        if source is not None:
+            reason, bind_ip = chooser_for(source).choose(client[0], backend[0], ep.local)
         try:
-            sock = socket.socket(family, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+            if reason:
+                sock = transparent_socket(socket.SOCK_DGRAM, bind_ip)
+            else:
+                sock = socket.socket(family, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
         except OSError as exc:
             if exc.errno not in NO_DESCRIPTORS:
-                raise
+                if not reason:
+                    raise
+                # EPERM (no CAP_NET_ADMIN) or an address the kernel refuses: the endpoint
+                # is not at fault, and the proxy says so at start (prerequisites).
+                stats.udp_dropped_send_failed += 1
+                log.debug("%s: cannot open a transparent socket: %r", self.name, exc)
+                return None
             # Out of descriptors: this process's fault, not the endpoint's.
             stats.no_descriptors += 1
             stats.udp_dropped_no_descriptors += 1
@@ -299,6 +317,8 @@ class UdpListener:
         self.sessions[client] = session
         self.stats.udp_sessions_active += 1
         self.stats.udp_sessions_total += 1
+        if source is not None:
+            count_source(stats, reason)
         return session
 
     def _evict(self) -> bool:

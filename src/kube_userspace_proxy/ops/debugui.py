@@ -3,7 +3,9 @@
 The page (static/debug-ui.html: plain HTML, CSS and JavaScript, no build step, nothing loaded
 from elsewhere) opens `/debug/ui/events`, a Server-Sent Events stream that sends the whole
 view about once a second while the page is open: the `/debug/state` view (collected from the
-workers first) and the installed iptables rules of our chains with their packet counters.
+workers first) and the installed iptables rules of our chains with their packet counters, or,
+for a proxy that installs none (`--iptables-backend none`, the demo), the rules it would
+install for the shown service ports, marked as not installed.
 `/debug/ui/state` answers the same view once, as JSON. Each stream carries 8 events and
 ends; the page's EventSource reconnects within 0.1 s.
 
@@ -31,6 +33,10 @@ log = logs.get(__name__)
 CountedRules = list[tuple[int, str, str, int, int]]
 RuleSource = Callable[[], CountedRules | None]
 """Blocking: our rules with counters, (family, chain, spec, packets, bytes); None: no rules."""
+PlannedRules = Callable[[frozenset[str]], list[tuple[str, str]]]
+"""The rules this proxy would install for the named service ports, (iptables-save line, why):
+what the page shows when no rules are installed. Called on the event loop, for the shown
+service ports only."""
 INTERVAL = 1.0
 """Seconds between two events of the stream."""
 RULES_EVERY = 2.0
@@ -59,16 +65,21 @@ class DebugUi:
         debug_state: Callable[[int], Awaitable[dict[str, Any]]],
         collect: Callable[..., Awaitable[None]],
         rules: RuleSource | None,
+        planned: PlannedRules | None = None,
     ) -> None:
         self._debug_state = debug_state
         self._collect = collect
         self._rules = rules
         self._rules_read = 0.0
         self._rules_cache: CountedRules | None = None
+        self._planned = planned
+        self._planned_read = 0.0
+        self._planned_cache: list[dict[str, Any]] | None = None
 
     async def view(self) -> dict[str, Any]:
         """Services (as /debug/state, the first `SHOWN`), the rules that name them (None when
-        this proxy installs none), and whether service ports were left out."""
+        this proxy installs none; then `planned`: the rules it would install), and whether
+        service ports were left out."""
         await self._collect(debug=True)
         services = await self._debug_state(SHOWN + 1)
         truncated = len(services) > SHOWN
@@ -85,7 +96,27 @@ class DebugUi:
         rules = None
         if self._rules_cache is not None:
             rules = await asyncio.to_thread(_naming, self._rules_cache, frozenset(services))
-        return {"services": services, "truncated": truncated, "rules": rules, "time": time.time()}
+        view = {"services": services, "truncated": truncated, "rules": rules, "time": time.time()}
+        if rules is None and self._planned is not None:
+            view["planned"] = self._planned_rules(frozenset(services), now)
+        return view
+
+    def _planned_rules(self, names: frozenset[str], now: float) -> list[dict[str, Any]] | None:
+        """The rules the proxy would install that name one of `names` (not the jumps into
+        shards: like the installed ones the page shows), re-rendered at most every 2 s."""
+        assert self._planned is not None
+        if now - self._planned_read >= RULES_EVERY:
+            self._planned_read = now
+            try:
+                self._planned_cache = [
+                    {"chain": line.split()[1], "rule": line, "why": why}
+                    for line, why in self._planned(names)
+                    if line.startswith("-A ") and _names(line) in names
+                ]
+            except Exception as exc:  # a view must not fail for the rules' sake
+                log.debug("cannot render the rules this proxy would install: %r", exc)
+                self._planned_cache = None
+        return self._planned_cache
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/debug/ui", self._page)
@@ -123,6 +154,12 @@ class DebugUi:
         except (ConnectionResetError, ConnectionError):
             pass
         return response
+
+
+def _names(rule: str) -> str | None:
+    """The service port a rule's comment names (or a shard's comment, or None)."""
+    found = _COMMENT.search(rule)
+    return (found.group(1) or found.group(2)) if found else None
 
 
 def _naming(counted: CountedRules, names: frozenset[str]) -> list[dict[str, Any]]:

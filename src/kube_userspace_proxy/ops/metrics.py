@@ -1,21 +1,17 @@
-"""Prometheus metrics: kube-proxy's names where they apply, plus per-service-port counters.
+"""Prometheus metrics: kube-proxy's names where they apply, and `ProxyMetrics`, the one object
+the sync runner, proxier and ops server report through.
 
-The per-service-port series are not stored in prometheus-client objects: the data plane bumps
-plain ints in its `ConnStats`, and they are read when `/metrics` is scraped. So a connection
-costs nothing extra, and a Service's series vanish with its stats.
+The per-service-port families live in `portmetrics` (read from the data plane at scrape time,
+written by a formatter of their own); this module adds them to the registry and `render()`.
 
-`/metrics` is always the Prometheus text format 0.0.4 (kube-proxy serves the same). The
-per-port part is written by a small formatter of its own: prometheus-client's generic one
-takes ~40x longer (about 180 ms for 1,000 service ports on a 2-core machine).
+`/metrics` is always the Prometheus text format 0.0.4 (kube-proxy serves the same).
 """
 
 from __future__ import annotations
 
-import operator
 import time
 import typing
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -31,192 +27,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from kube_userspace_proxy.cluster import objects
-from kube_userspace_proxy.dataplane import ConnStats
-from kube_userspace_proxy.model import Protocol, ServicePortName
+from kube_userspace_proxy.ops.portmetrics import (
+    PREFIX,
+    Capture,
+    PortCollector,
+    PortMetrics,
+    PortStatsSource,
+)
 
-PREFIX = "kube_userspace_proxy_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-PortStatsSource = Callable[[], Iterable[tuple[ServicePortName, ConnStats]]]
-
-FIELDS = (
-    "accepted",
-    "active",
-    "completed",
-    "refused_no_endpoints",
-    "dial_failures",
-    "failed",
-    "bytes_in",
-    "bytes_out",
-    "spliced",
-    "udp_sessions_active",
-    "udp_sessions_total",
-    "udp_datagrams_in",
-    "udp_datagrams_out",
-    "udp_dropped_table_full",
-    "udp_dropped_send_failed",
-    "udp_dropped_no_descriptors",
-    "no_descriptors",
-    "udp_sessions_evicted",
-)
-"""The ConnStats fields metrics reads, in the order of a captured row."""
-
-Row = tuple[int, ...]
-_read_row: Callable[[ConnStats], Row] = operator.attrgetter(*FIELDS)
-
-
-@dataclass(frozen=True, slots=True)
-class PortFamily:
-    """One kube_userspace_proxy_* family: which ports have it and which fields feed it."""
-
-    name: str
-    kind: str  # "counter" | "gauge"
-    help: str
-    protocol: Protocol | None  # None: TCP and UDP ports alike
-    extra_label: str  # "" or the name of the label that tells the series apart
-    series: tuple[tuple[str, str], ...]  # (extra label value, ConnStats field)
-
-
-PORT_FAMILIES: tuple[PortFamily, ...] = (
-    PortFamily(
-        PREFIX + "connections_active",
-        "gauge",
-        "Open proxied TCP connections.",
-        Protocol.TCP,
-        "",
-        (("", "active"),),
-    ),
-    PortFamily(
-        PREFIX + "connections_total",
-        "counter",
-        "TCP connections by result: accepted (all), completed (ended after reaching a "
-        "backend), refused (no endpoints), failed (every dial failed).",
-        Protocol.TCP,
-        "result",
-        (
-            ("accepted", "accepted"),
-            ("completed", "completed"),
-            ("refused", "refused_no_endpoints"),
-            ("failed", "failed"),
-        ),
-    ),
-    PortFamily(
-        PREFIX + "dial_failures_total",
-        "counter",
-        "Failed dials to an endpoint (each try counts).",
-        None,
-        "",
-        (("", "dial_failures"),),
-    ),
-    PortFamily(
-        PREFIX + "spliced_total",
-        "counter",
-        "TCP connection directions that switched to zero-copy splice.",
-        Protocol.TCP,
-        "",
-        (("", "spliced"),),
-    ),
-    PortFamily(
-        PREFIX + "bytes_total",
-        "counter",
-        "Bytes proxied, by direction (client_to_backend, backend_to_client).",
-        None,
-        "direction",
-        (("client_to_backend", "bytes_in"), ("backend_to_client", "bytes_out")),
-    ),
-    PortFamily(
-        PREFIX + "udp_sessions_active",
-        "gauge",
-        "Open UDP client sessions.",
-        Protocol.UDP,
-        "",
-        (("", "udp_sessions_active"),),
-    ),
-    PortFamily(
-        PREFIX + "udp_sessions_total",
-        "counter",
-        "UDP client sessions opened.",
-        Protocol.UDP,
-        "",
-        (("", "udp_sessions_total"),),
-    ),
-    PortFamily(
-        PREFIX + "udp_datagrams_total",
-        "counter",
-        "UDP datagrams proxied, by direction (client_to_backend, backend_to_client).",
-        Protocol.UDP,
-        "direction",
-        (("client_to_backend", "udp_datagrams_in"), ("backend_to_client", "udp_datagrams_out")),
-    ),
-    PortFamily(
-        PREFIX + "udp_dropped_total",
-        "counter",
-        "UDP datagrams dropped by the proxy, by reason: table_full (no room for a new"
-        " client's session), send_failed (the backend socket refused it), no_descriptors.",
-        Protocol.UDP,
-        "reason",
-        (
-            ("table_full", "udp_dropped_table_full"),
-            ("send_failed", "udp_dropped_send_failed"),
-            ("no_descriptors", "udp_dropped_no_descriptors"),
-        ),
-    ),
-    PortFamily(
-        PREFIX + "udp_sessions_evicted_total",
-        "counter",
-        "Idle UDP sessions ended early to make room for a new client (session table full).",
-        Protocol.UDP,
-        "",
-        (("", "udp_sessions_evicted"),),
-    ),
-    PortFamily(
-        PREFIX + "no_descriptors_total",
-        "counter",
-        "Accepts, dials and UDP session sockets that failed because the process was out of"
-        " file descriptors (EMFILE, ENFILE) or socket memory.",
-        None,
-        "",
-        (("", "no_descriptors"),),
-    ),
-    PortFamily(
-        PREFIX + "udp_refused_total",
-        "counter",
-        "UDP datagrams turned away for lack of endpoints.",
-        Protocol.UDP,
-        "",
-        (("", "refused_no_endpoints"),),
-    ),
-)
-
-PROXY_PORTS = PREFIX + "proxy_ports"
-_PROXY_PORTS_HELP = "Local proxy ports open (one per service port and path)."
-
-
-@dataclass(frozen=True, slots=True)
-class Capture:
-    """Every service port's counters and the proxy port count, copied at one instant."""
-
-    rows: dict[ServicePortName, Row]
-    proxy_ports: int
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-
-
-PORT_LABELS = ("namespace", "service", "port", "service_port", "protocol")
-"""Labels of every per-service-port series: kube-state-metrics' namespace and service (for
-joins), the port's name, and kube-proxy's `ns/name:port` with the protocol."""
-
-
-def _port_label_values(name: ServicePortName) -> list[str]:
-    return [name.namespace, name.name, name.port, str(name), name.protocol.value]
-
-
-def _port_labels(name: ServicePortName) -> str:
-    values = _port_label_values(name)
-    return ",".join(f'{k}="{_escape(v)}"' for k, v in zip(PORT_LABELS, values, strict=True))
-
 
 _LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 """Loop-lag buckets: fine around the 20 ms a control loop should stay under."""
@@ -233,44 +52,6 @@ _PROGRAMMING_BUCKETS: Sequence[float] = (
     + [float(s) for s in range(60, 120, 5)]
     + [float(s) for s in range(120, 301, 30)]
 )
-
-
-class _PortCollector(Collector):
-    """The per-port families as prometheus-client objects, for `generate_latest(registry)`."""
-
-    def __init__(self, owner: ProxyMetrics) -> None:
-        self._owner = owner
-
-    def describe(self) -> Iterable[Metric]:
-        return self._families(Capture({}, 0))
-
-    def collect(self) -> Iterable[Metric]:
-        captured = self._owner.capture()
-        if not self._owner.per_service_port:
-            captured = Capture({}, captured.proxy_ports)
-        return self._families(captured)
-
-    @staticmethod
-    def _families(captured: Capture) -> list[Metric]:
-        families: list[Metric] = []
-        for fam in PORT_FAMILIES:
-            labels = [*PORT_LABELS] + ([fam.extra_label] if fam.extra_label else [])
-            metric: CounterMetricFamily | GaugeMetricFamily
-            if fam.kind == "counter":
-                metric = CounterMetricFamily(fam.name, fam.help, labels=labels)
-            else:
-                metric = GaugeMetricFamily(fam.name, fam.help, labels=labels)
-            for name, row in captured.rows.items():
-                if fam.protocol is not None and name.protocol is not fam.protocol:
-                    continue
-                for extra, field in fam.series:
-                    values = _port_label_values(name) + ([extra] if extra else [])
-                    metric.add_metric(values, row[FIELDS.index(field)])
-            families.append(metric)
-        ports = GaugeMetricFamily(PROXY_PORTS, _PROXY_PORTS_HELP)
-        ports.add_metric([], captured.proxy_ports)
-        families.append(ports)
-        return families
 
 
 class _ForbiddenAddressCollector(Collector):
@@ -331,7 +112,8 @@ class WorkerCounters(typing.Protocol):
     @property
     def alive(self) -> int: ...
 
-    restarts: int
+    @property
+    def restarts(self) -> int: ...
 
     @property
     def unserved(self) -> int: ...
@@ -363,6 +145,40 @@ class _WorkerCollector(Collector):
         return [alive, restarts, unserved]
 
 
+class FlowCounters(typing.Protocol):
+    """What the stale-UDP-flow cleaner keeps (`portals.StaleFlows`, read at scrape time)."""
+
+    deleted: dict[int, int]
+    errors: int
+
+
+class _FlowCollector(Collector):
+    def __init__(self, owner: ProxyMetrics) -> None:
+        self._owner = owner
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # present only with rules installed
+
+    def collect(self) -> Iterable[Metric]:
+        flows = self._owner._flows
+        if flows is None:
+            return []
+        deleted = CounterMetricFamily(
+            "kubeproxy_conntrack_reconciler_deleted_entries",
+            "Cumulative conntrack flows deleted by conntrack reconciler (stale UDP flows)",
+            labels=["ip_family"],
+        )
+        for family, count in sorted(flows.deleted.items()):
+            deleted.add_metric([f"IPv{family}"], count)
+        errors = CounterMetricFamily(
+            PREFIX + "conntrack_errors",
+            "Failed reads and deletes of conntrack entries of stale UDP flows (each logged;"
+            " those flows stay until they idle out)",
+        )
+        errors.add_metric([], flows.errors)
+        return [deleted, errors]
+
+
 class ProxyMetrics:
     """The proxy's metrics; the sync runner, proxier and ops server report through its methods.
 
@@ -378,40 +194,73 @@ class ProxyMetrics:
         clock: Callable[[], float] = time.time,
         process_metrics: bool = True,
         per_service_port: bool = True,
+        transparent: bool = False,
+        ip_families: Sequence[str] = ("IPv4",),
     ) -> None:
-        self.per_service_port = per_service_port
-        """False: the per-service-port families are left out (`--metrics-per-service-port`)."""
-        self._port_stats = port_stats
-        self._proxy_ports = proxy_ports
+        self._ports = PortMetrics(
+            port_stats, proxy_ports, enabled=per_service_port, transparent=transparent
+        )
         self._clock = clock
-        self._layout = _Layout(())
         # Everything but the per-port families: small, formatted by prometheus-client.
         self._base = base = CollectorRegistry(auto_describe=True)
         if process_metrics:
             ProcessCollector(registry=base)
             PlatformCollector(registry=base)
+        # kube-proxy (1.28+) labels these by ip_family; one sync here serves every family the
+        # proxy ports serve, so each sample is recorded under each of them.
+        self._families = tuple(ip_families)
+        family = ["ip_family"]
+        sync_buckets = _exponential(0.001, 2, 15)
         self._sync_duration = Histogram(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds",
-            buckets=_exponential(0.001, 2, 15),
+            family,
+            buckets=sync_buckets,
+            registry=base,
+        )
+        self._sync_full = Histogram(
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+            family,
+            buckets=sync_buckets,
+            registry=base,
+        )
+        self._sync_partial = Histogram(
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+            family,
+            buckets=sync_buckets,
             registry=base,
         )
         self._last_sync = Gauge(
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
             "The last time proxy rules were successfully synced",
+            family,
             registry=base,
         )
         self._last_queued = Gauge(
             "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
             "The last time a sync of proxy rules was queued",
+            family,
             registry=base,
         )
         self._programming = Histogram(
             "kubeproxy_network_programming_duration_seconds",
             "In Cluster Network Programming Latency in seconds",
+            family,
             buckets=_PROGRAMMING_BUCKETS,
             registry=base,
         )
+        for name in self._families:  # present from the start, as kube-proxy's are
+            for metric in (
+                self._sync_duration,
+                self._sync_full,
+                self._sync_partial,
+                self._last_sync,
+                self._last_queued,
+                self._programming,
+            ):
+                metric.labels(name)
         self._loop_lag = Histogram(
             PREFIX + "event_loop_lag_seconds",
             "How late a timer fired on the control process's event loop (sampled every 20 ms)",
@@ -458,11 +307,12 @@ class ProxyMetrics:
         self._no_local = Gauge(
             "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
             "Number of service ports with a Local traffic policy and no local endpoints",
-            ["traffic_policy"],
+            ["ip_family", "traffic_policy"],
             registry=base,
         )
-        for policy in ("internal", "external"):
-            self._no_local.labels(policy).set(0)
+        for name in self._families:
+            for policy in ("internal", "external"):
+                self._no_local.labels(name, policy).set(0)
         self._iptables_rules = Gauge(
             "kubeproxy_sync_proxy_rules_iptables_total",
             "Number of iptables rules the proxy has installed, per table",
@@ -495,20 +345,38 @@ class ProxyMetrics:
         self._workers: WorkerCounters | None = None
         self._sites: Collector | None = None
         base.register(_WorkerCollector(self))
+        self._flows: FlowCounters | None = None
+        base.register(_FlowCollector(self))
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(base)
-        self.registry.register(_PortCollector(self))
+        self.registry.register(PortCollector(self._ports))
+
+    @property
+    def per_service_port(self) -> bool:
+        """False: the per-service-port families are left out (`--metrics-per-service-port`)."""
+        return self._ports.enabled
+
+    @per_service_port.setter
+    def per_service_port(self, enabled: bool) -> None:
+        self._ports.enabled = enabled
 
     # -- sync runner / proxier ------------------------------------------------------------
 
-    def sync_done(self, duration_seconds: float) -> None:
-        """A sync succeeded after `duration_seconds`."""
-        self._sync_duration.observe(duration_seconds)
-        self._last_sync.set(self._clock())
+    def sync_done(self, duration_seconds: float, *, full: bool = True) -> None:
+        """A sync succeeded after `duration_seconds`: a full one (the complete state: the
+        first, a periodic resync, a retry) or a partial one (the changes since the last)."""
+        now = self._clock()
+        kind = self._sync_full if full else self._sync_partial
+        for family in self._families:
+            self._sync_duration.labels(family).observe(duration_seconds)
+            kind.labels(family).observe(duration_seconds)
+            self._last_sync.labels(family).set(now)
 
     def sync_queued(self) -> None:
         """A change asked for a sync."""
-        self._last_queued.set(self._clock())
+        now = self._clock()
+        for family in self._families:
+            self._last_queued.labels(family).set(now)
 
     def set_pending(self, services: int, endpoints: int) -> None:
         """Changes received but not yet synced."""
@@ -528,7 +396,8 @@ class ProxyMetrics:
 
     def network_programming(self, seconds: float) -> None:
         """Time from an endpoint change (its trigger time) to the sync that applied it."""
-        self._programming.observe(max(seconds, 0.0))
+        for family in self._families:
+            self._programming.labels(family).observe(max(seconds, 0.0))
 
     def api_request(self, code: str, method: str, host: str, seconds: float) -> None:
         """One request to the API server answered (or failed) after `seconds`."""
@@ -545,14 +414,19 @@ class ProxyMetrics:
             self._sites = sites
             self._base.register(sites)
 
+    def follow_flows(self, flows: FlowCounters | None) -> None:
+        """Export the stale-UDP-flow cleaner's counters (read at scrape time)."""
+        self._flows = flows
+
     def follow_workers(self, pool: WorkerCounters) -> None:
         """Export the worker pool's process counts (read at scrape time)."""
         self._workers = pool
 
     def set_no_local_endpoints(self, internal: int, external: int) -> None:
         """Service ports whose Local policy found endpoints, but none on this node."""
-        self._no_local.labels("internal").set(internal)
-        self._no_local.labels("external").set(external)
+        for family in self._families:
+            self._no_local.labels(family, "internal").set(internal)
+            self._no_local.labels(family, "external").set(external)
 
     def set_iptables_rules(self, per_table: dict[str, int]) -> None:
         """Rules of ours in each table after a commit (tables not named keep their value)."""
@@ -577,14 +451,7 @@ class ProxyMetrics:
 
     def capture(self) -> Capture:
         """Copy every service port's counters now (cheap; run it on the event loop)."""
-        rows: dict[ServicePortName, Row] = {}
-        for name, stats in self._port_stats():
-            row = _read_row(stats)
-            previous = rows.get(name)
-            # Two listeners (cluster and external path) may serve one service port: one series.
-            rows[name] = row if previous is None else tuple(map(operator.add, previous, row))
-        count = self._proxy_ports() if self._proxy_ports is not None else len(rows)
-        return Capture(rows, count)
+        return self._ports.capture()
 
     def render(self, captured: Capture | None = None) -> bytes:
         """The whole `/metrics` body at once (Prometheus text format 0.0.4)."""
@@ -598,67 +465,7 @@ class ProxyMetrics:
 
     def render_ports(self, captured: Capture) -> Iterator[bytes]:
         """The per-port families, one chunk each, so a caller on the loop can yield between."""
-        if not self.per_service_port:
-            captured = Capture({}, captured.proxy_ports)
-        names = tuple(captured.rows)
-        layout = self._layout
-        if layout.names != names:  # Services came or went: lay the text out again
-            layout = self._layout = _Layout(names)
-        rows = list(captured.rows.values())
-        for index in range(len(PORT_FAMILIES)):
-            template, picks = layout.family(index)
-            yield template.format(*[rows[i][j] for i, j in picks]).encode()
-        yield (
-            f"# HELP {PROXY_PORTS} {_PROXY_PORTS_HELP}\n# TYPE {PROXY_PORTS} gauge\n"
-            f"{PROXY_PORTS} {captured.proxy_ports}\n"
-        ).encode()
-
-
-def _braces(text: str) -> str:
-    return text.replace("{", "{{").replace("}", "}}")
-
-
-Template = tuple[str, tuple[tuple[int, int], ...]]
-"""A family's text with `{}` for each value, and the (row, field index) of each value."""
-
-
-class _Layout:
-    """The per-port text for one set of service ports, built lazily a family at a time.
-
-    Rebuilt only when the set of service ports changes; a scrape is then one `str.format`
-    per family.
-    """
-
-    __slots__ = ("_families", "_labels", "names")
-
-    def __init__(self, names: tuple[ServicePortName, ...]) -> None:
-        self.names = names
-        self._labels: list[str] | None = None
-        self._families: list[Template | None] = [None] * len(PORT_FAMILIES)
-
-    def family(self, index: int) -> Template:
-        built = self._families[index]
-        if built is None:
-            built = self._families[index] = self._build(PORT_FAMILIES[index])
-        return built
-
-    def _build(self, fam: PortFamily) -> Template:
-        if self._labels is None:
-            self._labels = [_port_labels(name) for name in self.names]
-        labels = self._labels
-        parts = [_braces(f"# HELP {fam.name} {fam.help}\n# TYPE {fam.name} {fam.kind}\n")]
-        picks: list[tuple[int, int]] = []
-        series = [
-            (f',{fam.extra_label}="{extra}"' if extra else "", FIELDS.index(field))
-            for extra, field in fam.series
-        ]
-        for i, name in enumerate(self.names):
-            if fam.protocol is not None and name.protocol is not fam.protocol:
-                continue
-            for extra, field_index in series:
-                parts.append(_braces(f"{fam.name}{{{labels[i]}{extra}}} ") + "{}\n")
-                picks.append((i, field_index))
-        return "".join(parts), tuple(picks)
+        return self._ports.render(captured)
 
 
 def sample_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:

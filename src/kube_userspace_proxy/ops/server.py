@@ -23,7 +23,7 @@ from aiohttp import web
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import ConfigError, PortInUseError
-from kube_userspace_proxy.ops.debugui import DebugUi, RuleSource
+from kube_userspace_proxy.ops.debugui import DebugUi, PlannedRules, RuleSource
 from kube_userspace_proxy.ops.health import ProxyHealth
 from kube_userspace_proxy.ops.httpguard import TALLIES, GuardedSite, SiteCollector, SiteTally
 from kube_userspace_proxy.ops.metrics import CONTENT_TYPE, ProxyMetrics
@@ -274,8 +274,9 @@ def _metrics_app(
     debug_state: StateSource,
     configz: Callable[[], Mapping[str, Any]],
     collect: Collector,
-    rules: RuleSource | None = None,
     *,
+    rules: RuleSource | None = None,
+    planned: PlannedRules | None = None,
     allowed_hosts: Iterable[str] = (),
 ) -> web.Application:
     async def scrape(_: web.Request) -> web.Response:
@@ -311,7 +312,7 @@ def _metrics_app(
     app.router.add_get("/healthz", ping)
     app.router.add_get("/configz", config)
     app.router.add_get("/debug/state", state)
-    DebugUi(lambda limit: _as_dict(debug_state(), limit), collect, rules).add_routes(app)
+    DebugUi(lambda limit: _as_dict(debug_state(), limit), collect, rules, planned).add_routes(app)
     return app
 
 
@@ -325,6 +326,7 @@ async def start_ops(
     configz: Callable[[], Mapping[str, Any]],
     collect: Collector = _nothing_to_collect,
     rules: RuleSource | None = None,
+    planned: PlannedRules | None = None,
     adopted: Mapping[tuple[str, int], socket.socket] | None = None,
     allowed_hosts: Iterable[str] = (),
 ) -> OpsServer:
@@ -365,7 +367,13 @@ async def start_ops(
             log.info("Serving /healthz and /livez on %s", _show(server.healthz_address))
         if metrics_at is not None:
             app = _metrics_app(
-                metrics, debug_state, configz, collect, rules, allowed_hosts=allowed_hosts
+                metrics,
+                debug_state,
+                configz,
+                collect,
+                rules=rules,
+                planned=planned,
+                allowed_hosts=allowed_hosts,
             )
             server.metrics_address = await server.serve(app, next(pending), METRICS_SITE)
             log.info("Serving /metrics and /proxyMode on %s", _show(server.metrics_address))

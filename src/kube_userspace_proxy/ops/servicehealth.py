@@ -17,14 +17,14 @@ import json
 import socket
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.model import ServicePortInfo, ServicePortName, Snapshot
+from kube_userspace_proxy.model import Change, ServicePortInfo, ServicePortName, Snapshot
 from kube_userspace_proxy.ops.health import HTTP_OK, HTTP_UNAVAILABLE, ProxyHealth
 from kube_userspace_proxy.ops.httpguard import GuardedSite
+from kube_userspace_proxy.restart.sockets import HealthSocket, SocketDescription
 
 log = logs.get(__name__)
 
@@ -44,7 +44,7 @@ class _Instance:
     sockets: list[tuple[str, socket.socket]] = field(default_factory=list)
 
 
-def wanted(snapshot: Snapshot) -> dict[ServiceName, tuple[int, int]]:
+def wanted(snapshot: Snapshot | Change) -> dict[ServiceName, tuple[int, int]]:
     """(namespace, name) -> (healthCheckNodePort, ready endpoints on this node), per Service."""
     out: dict[ServiceName, tuple[int, int]] = {}
     local: dict[ServiceName, set[str]] = {}
@@ -71,7 +71,9 @@ def no_local_endpoints(snapshot: Snapshot) -> tuple[int, int]:
     return internal, external
 
 
-def _no_local(snapshot: Snapshot, name: ServicePortName, info: ServicePortInfo) -> tuple[int, int]:
+def _no_local(
+    snapshot: Snapshot | Change, name: ServicePortName, info: ServicePortInfo
+) -> tuple[int, int]:
     if not (info.internal_traffic_local or info.external_traffic_local):
         return (0, 0)
     ready = [e for e in snapshot.endpoints_of(name) if e.ready]
@@ -81,18 +83,18 @@ def _no_local(snapshot: Snapshot, name: ServicePortName, info: ServicePortInfo) 
 
 
 class NoLocalEndpoints:
-    """`no_local_endpoints` kept up to date from complete and partial snapshots alike."""
+    """`no_local_endpoints` kept up to date from snapshots and changes alike."""
 
     def __init__(self) -> None:
         self._counted: dict[ServicePortName, tuple[int, int]] = {}  # only non-zero ones
 
-    def update(self, snapshot: Snapshot) -> tuple[int, int]:
-        """Take `snapshot` (a partial one: only the service ports it names); the totals."""
-        if snapshot.changed is None:
-            self._counted.clear()
-            names: Iterable[ServicePortName] = snapshot.services
+    def update(self, snapshot: Snapshot | Change) -> tuple[int, int]:
+        """Take `snapshot` (a Change: only the service ports it names); the totals."""
+        if isinstance(snapshot, Change):
+            names: Iterable[ServicePortName] = snapshot.changed
         else:
-            names = snapshot.changed
+            self._counted.clear()
+            names = snapshot.services
         for name in names:
             info = snapshot.services.get(name)
             pair = _no_local(snapshot, name, info) if info is not None else (0, 0)
@@ -120,10 +122,10 @@ class ServiceHealthServers:
         instead of binding anew when a Service asks for that port."""
         self._adopted.update(sockets)
 
-    def handover_sockets(self) -> list[tuple[list[Any], int]]:
-        """(["health", address, port], descriptor) for every health-check socket served."""
+    def handover_sockets(self) -> list[tuple[SocketDescription, int]]:
+        """(description, descriptor) for every health-check socket served."""
         return [
-            (["health", address, instance.port], sock.fileno())
+            (HealthSocket(address, instance.port), sock.fileno())
             for instance in self._services.values()
             for address, sock in instance.sockets
             if sock.fileno() >= 0
@@ -134,14 +136,14 @@ class ServiceHealthServers:
         """`namespace/name` -> the health-check port being served."""
         return {f"{ns}/{name}": inst.port for (ns, name), inst in self._services.items()}
 
-    async def sync(self, snapshot: Snapshot) -> None:
-        """Serve exactly the Services of `snapshot` that want a health check (a partial
-        snapshot: look only at the Services it names)."""
+    async def sync(self, snapshot: Snapshot | Change) -> None:
+        """Serve exactly the Services of `snapshot` that want a health check (a Change: look
+        only at the Services it names)."""
         want = wanted(snapshot)
-        if snapshot.changed is None:
-            keys = list(self._services)
-        else:
+        if isinstance(snapshot, Change):
             keys = sorted({(n.namespace, n.name) for n in snapshot.changed})
+        else:
+            keys = list(self._services)
         for key in keys:
             old = self._services.get(key)
             if old is not None and want.get(key, (None,))[0] != old.port:

@@ -2,7 +2,8 @@
 
 `make_backend` maps `--iptables-backend` to a backend: python-iptables (libiptc) on the legacy
 tables, or iptables-restore in the host's mode. `cleanup_all` removes our chains and the jumps
-into them from the legacy and the nft tables alike, and nothing else.
+into them from the legacy and the nft tables alike, and the transparent return path
+(`returnpath`), and nothing else.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from kube_userspace_proxy.errors import PortalsError
 from kube_userspace_proxy.portals import plan
 from kube_userspace_proxy.portals.plan import Backend, Delete, DropChain
 from kube_userspace_proxy.portals.restore import RestoreBackend, binary
+from kube_userspace_proxy.portals.returnpath import remove_all
 from kube_userspace_proxy.portals.rules import (
     TABLES,
 )
@@ -125,6 +127,14 @@ def cleanup_all() -> int:
                 removed += sum(1 for op in ops if isinstance(op, (Delete, DropChain)))
                 if ops:
                     log.info("removed our rules from the %s %s table (IPv%d)", mode, table, family)
+    try:
+        gone = remove_all()  # the transparent return path (--preserve-source-ip)
+    except PortalsError as exc:
+        failures.append(str(exc))
+    else:
+        removed += gone
+        if gone:
+            log.info("removed the transparent return path (%d pieces)", gone)
     if failures:
         raise PortalsError("cleanup incomplete: " + "; ".join(failures))
     return removed

@@ -31,8 +31,10 @@ from kube_userspace_proxy.model import ClaimKey, ProxiedPort, ServicePortName
 from kube_userspace_proxy.portals import plan
 from kube_userspace_proxy.portals.backends import cleanup_all, kernel_has_match
 from kube_userspace_proxy.portals.desired import Desired
+from kube_userspace_proxy.portals.flows import StaleFlows
 from kube_userspace_proxy.portals.plan import Backend, Found, TableView
 from kube_userspace_proxy.portals.restore import counted
+from kube_userspace_proxy.portals.returnpath import ReturnPath
 from kube_userspace_proxy.portals.rules import (
     CANARY,
     CHAINS,
@@ -98,6 +100,8 @@ class Portals:
         guard_proxy_ports: bool = True,
         verify_period: float = VERIFY_PERIOD,
         clock: Callable[[], float] = time.monotonic,
+        transparent: tuple[int, int] | None = None,
+        flows: StaleFlows | None = None,
     ) -> None:
         if physdev is None:
             physdev = kernel_has_match("physdev")
@@ -113,6 +117,12 @@ class Portals:
         self.verify_period = verify_period
         """Seconds between full reads of our tables; each apply in between checks cheaply."""
         self._clock = clock
+        self.return_path = (
+            ReturnPath(backend.mode, *transparent) if transparent is not None else None
+        )
+        """--preserve-source-ip's (mark, table): its return path, kept with every apply."""
+        self.flows = flows
+        """Deletes the UDP flows each commit makes stale (None: left to idle out)."""
         self._desired = Desired(self._settings)
         self._applied: dict[tuple[Family, str], _Applied] = {}
         self._defer = backend.defers_deletes
@@ -159,6 +169,9 @@ class Portals:
         with self._lock:
             if not self._applied:
                 self._leftovers_found = self._leftovers()
+            if self.return_path is not None:
+                # Before the rules: replies to transparent dials must find their way first.
+                self.return_path.ensure()
             self._update(ports)
             wanted = self._desired.tables(self._families())
             # Tables of a family no longer served are emptied (plan.empty), not left behind.
@@ -172,6 +185,13 @@ class Portals:
             self._sync_all(tables, errors, defer=self._defer)
             if errors:
                 raise errors[0]
+            if self.flows is not None:  # live now: flows the old rules made may go
+                self.flows.committed(
+                    rule
+                    for want in wanted.values()
+                    for rules in want.chains.values()
+                    for rule in rules
+                )
 
     def commit_deferred(self) -> None:
         """Commit the deletes the last `apply` left for later; blocking; PortalsError on failure.

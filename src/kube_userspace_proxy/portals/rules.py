@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar, dataclass_transform
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.addresses import Family, ip_family, join_host_port
+from kube_userspace_proxy.addresses import Family, ip_family, join_host_port, nodeport_cidrs
 from kube_userspace_proxy.model import ClaimKey, Path, ProxiedPort, ServicePortName
 
 CONTAINER_PORTALS = "KUBE-PORTALS-CONTAINER"
@@ -358,7 +358,8 @@ class Settings:
         if not self.nodeport_addresses:
             return [""]
         dsts: list[str] = []
-        for text in self.nodeport_addresses:
+        # `primary` follows the node IPs; none known in a family: no NodePort rules for it.
+        for text in nodeport_cidrs(self.nodeport_addresses, self.node_ips):
             net = ipaddress.ip_network(text, strict=False)
             if net.version == family:
                 dsts.append("" if net.prefixlen == 0 else str(net))

@@ -1,8 +1,10 @@
 """Restarts that refuse nothing: a new proxy process takes the sockets of the running one.
 
 The running proxy listens on `<state-dir>/handover.sock` (a unix SOCK_SEQPACKET socket, mode
-0600, peers checked with SO_PEERCRED: same user). A new process started with the same state
-directory connects before it binds anything, and the two talk (`fdpass`, JSON messages):
+0600). Before it reads or sends anything it checks the peer (`peers`: the same user and the
+same network namespace) and refuses any other with one warning, serving on. A new process
+started with the same state directory connects before it binds anything, and the two talk
+(`fdpass`, JSON messages):
 
     new -> old   hello {version, workers}
     old -> new   offer {version, workers}       (mismatch: new says "stop", see below)
@@ -32,11 +34,13 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kube_userspace_proxy import fdpass, logs
 from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.model import SocketKey
+from kube_userspace_proxy.restart import peers
+from kube_userspace_proxy.restart.sockets import SocketDescription, decode, encode
 
 log = logs.get(__name__)
 
@@ -46,7 +50,7 @@ CONNECT_TIMEOUT = 2.0
 STEP_TIMEOUT = 60.0
 """Seconds either side waits for the other's next message (a busy node is slow)."""
 
-Description = list[Any]
+D = TypeVar("D", bound=SocketDescription)
 
 
 def network_namespace() -> int:
@@ -69,7 +73,7 @@ class Giver(Protocol):
     workers: int
     """Worker processes (1: the control process serves)."""
 
-    def handover_sockets(self) -> list[tuple[Description, int]]:
+    def handover_sockets(self) -> list[tuple[SocketDescription, int]]:
         """(description, descriptor) of every socket the control process serves."""
         ...
 
@@ -122,7 +126,13 @@ async def serve(directory: str, giver: Giver, ready: Awaitable[Any]) -> None:
                 log.warning("refused a handover connection: %s", exc)
                 continue
             with conn:
-                if await _give(conn, giver):
+                try:
+                    peer = peers.check(conn, server)
+                except OSError as exc:
+                    # Checked before anything is read or sent: no offer, no "stop", no socket.
+                    log.warning("refused a handover connection: %s; nothing sent", exc)
+                    continue
+                if await _give(conn, giver, peer):
                     break
         server.close()  # done: the process stops (this task is cancelled with the others)
         await asyncio.Event().wait()
@@ -135,9 +145,8 @@ async def serve(directory: str, giver: Giver, ready: Awaitable[Any]) -> None:
         server.close()
 
 
-async def _give(conn: socket.socket, giver: Giver) -> bool:
-    """One successor's handover; True once it serves (this process is done)."""
-    peer = fdpass.check_peer(conn)
+async def _give(conn: socket.socket, giver: Giver, peer: int) -> bool:
+    """One checked successor's handover; True once it serves (this process is done)."""
     held = False
     try:
         async with asyncio.timeout(STEP_TIMEOUT):
@@ -170,7 +179,9 @@ async def _give(conn: socket.socket, giver: Giver) -> bool:
             items = giver.handover_sockets()
             for batch in fdpass.batches(items):
                 await fdpass.send(
-                    conn, {"op": "sockets", "items": [d for d, _ in batch]}, [f for _, f in batch]
+                    conn,
+                    {"op": "sockets", "items": [encode(d) for d, _ in batch]},
+                    [f for _, f in batch],
                 )
             state, groups = giver.handover_state()
             await fdpass.send(conn, {"op": "state", "groups": groups})
@@ -200,15 +211,21 @@ class Taken:
 
     conn: socket.socket
     peer: int
-    sockets: list[tuple[Description, socket.socket]] = field(default_factory=list)
+    sockets: list[tuple[SocketDescription, socket.socket]] = field(default_factory=list)
     state: bytes = b""
     groups: dict[SocketKey, list[int]] = field(default_factory=dict)
 
-    def claim(self, kind: str) -> list[tuple[Description, socket.socket]]:
-        """Take the sockets of `kind` ("port", "nodeport", "health", "ops"): the caller owns
-        them from now on."""
-        claimed = [(d, s) for d, s in self.sockets if d[0] == kind]
-        self.sockets = [(d, s) for d, s in self.sockets if d[0] != kind]
+    def claim(self, kind: type[D]) -> list[tuple[D, socket.socket]]:
+        """Take the sockets of `kind` (`ProxyPortSocket`, `NodePortSocket`, `HealthSocket`,
+        `OpsSocket`): the caller owns them from now on."""
+        claimed: list[tuple[D, socket.socket]] = []
+        kept: list[tuple[SocketDescription, socket.socket]] = []
+        for description, sock in self.sockets:
+            if isinstance(description, kind):
+                claimed.append((description, sock))
+            else:
+                kept.append((description, sock))
+        self.sockets = kept
         return claimed
 
     async def workers(self, prepare: Callable[[], Awaitable[dict[int, str]]]) -> dict[int, int]:
@@ -308,7 +325,13 @@ async def _receive_all(taken: Taken) -> None:
     while True:
         message, socks = await fdpass.receive(conn)
         if message.get("op") == "sockets":
-            taken.sockets.extend(zip(message["items"], socks, strict=True))
+            try:
+                described = [decode(d) for d in message["items"]]
+                taken.sockets.extend(zip(described, socks, strict=True))
+            except ValueError:
+                for sock in socks:
+                    sock.close()
+                raise
             continue
         if message.get("op") != "state":
             raise fdpass.PeerError(f"unexpected message {message.get('op')!r}")

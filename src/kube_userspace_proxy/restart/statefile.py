@@ -5,7 +5,9 @@ their settings and endpoints) to `<state-dir>/served.json`, atomically (a tempor
 rename). At start, while the API server has not answered a first complete list, the proxy
 serves from that file: the earlier run's rules still point at the proxy ports it reclaims, so
 every Service answers within a second even through an API-server outage. The file is versioned
-and names its node; a corrupt, foreign or newer file is ignored with one warning.
+and names its node; a corrupt, foreign or newer file is ignored with one warning, and so is a
+file others could have written. Each entry is checked as an API object is (`restored`).
+A state directory others can write is refused (`check_directory`: the proxy exits 1).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Generator
@@ -24,13 +27,15 @@ from types import MappingProxyType
 from typing import Any, cast
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.cluster.objects import Malformed, ip_address
+from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.model import (
     Endpoint,
-    Protocol,
     ServicePortInfo,
     ServicePortName,
     Snapshot,
 )
+from kube_userspace_proxy.restart import restored
 
 log = logs.get(__name__)
 
@@ -139,6 +144,8 @@ class Encoder:
                 "version": VERSION,
                 "nodeName": snapshot.node_name,
                 "nodeIPs": list(snapshot.node_ips),
+                "nodeZone": snapshot.node_zone,
+                "podCIDRs": list(snapshot.pod_cidrs),
             }
         )
         pieces = [f'{head[:-1]},"servicePorts":['.encode()]
@@ -188,7 +195,19 @@ def _entry(name: ServicePortName, info: ServicePortInfo, endpoints: tuple[Endpoi
             "info": {field: getattr(info, field) for field in _INFO_FIELDS},
             # What dataclasses.astuple gives, without its deep copy (a tenth of the cost).
             "endpoints": [
-                (e.ip, e.port, e.ready, e.serving, e.terminating, e.node_name) for e in endpoints
+                (e.ip, e.port, e.ready, e.serving, e.terminating, e.node_name)
+                if not (e.node_hints or e.zone_hints)  # most have none: keep the file short
+                else (
+                    e.ip,
+                    e.port,
+                    e.ready,
+                    e.serving,
+                    e.terminating,
+                    e.node_name,
+                    e.node_hints,
+                    e.zone_hints,
+                )
+                for e in endpoints
             ],
         }
     )
@@ -232,8 +251,13 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def decode(data: bytes, *, node_name: str | None) -> tuple[Snapshot, Ports]:
-    """The snapshot and ports in `data`; StateFileError when not ours, not this node's, broken."""
+def decode(data: bytes, *, node_name: str | None, loopback: bool = False) -> tuple[Snapshot, Ports]:
+    """The snapshot and ports in `data`; StateFileError when not ours, not this node's, broken.
+
+    Every entry is checked as the API's objects are (`restored`): a bad one is dropped with
+    one warning, the rest kept; endpoints on loopback addresses only with `loopback` (the
+    --loopback-endpoints policy).
+    """
     try:
         document = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -246,54 +270,52 @@ def decode(data: bytes, *, node_name: str | None) -> tuple[Snapshot, Ports]:
         raise StateFileError(
             f"written for node {document.get('nodeName')!r}, this is {node_name!r}"
         )
+    parts: dict[str, list[Any]] = {}
+    for part in ("servicePorts", "nodeIPs", "proxyPorts"):
+        value = document.get(part)
+        if not isinstance(value, list):
+            raise StateFileError(f"malformed ({part}: expected a list, got {value!r:.80})")
+        parts[part] = value
     services: dict[ServicePortName, ServicePortInfo] = {}
     endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = {}
-    try:
-        for entry in document["servicePorts"]:
-            namespace, name, port, protocol = entry["name"]
-            key = ServicePortName(str(namespace), str(name), str(port), Protocol(protocol))
-            services[key] = _info(key, entry["info"])
-            endpoints[key] = tuple(_endpoint(e) for e in entry["endpoints"])
-        node_ips = tuple(str(ip) for ip in document["nodeIPs"])
-        ports: Ports = {}
-        for name, protocol, path, port in document["proxyPorts"]:
-            if not isinstance(port, int) or not 0 < port < 65536:
-                raise ValueError(f"bad proxy port {port!r}")
-            ports[(str(name), str(protocol), str(path))] = port
-    except (KeyError, TypeError, ValueError) as exc:
-        raise StateFileError(f"malformed ({exc!r})") from None
+    for i, entry in enumerate(parts["servicePorts"]):
+        what = f"servicePorts[{i}]"
+        try:
+            if not isinstance(entry, dict):
+                raise Malformed(f"expected an object, got {entry!r:.80}")
+            key = restored.service_port_name(entry.get("name"))
+            what = f"service port {key}"
+            if key in services:
+                raise Malformed("listed twice")
+            info = restored.service_port_info(key, entry.get("info"))
+            found = restored.endpoints(key, entry.get("endpoints"), loopback=loopback)
+        except Malformed as exc:
+            restored.dropped(what, exc)
+            continue
+        services[key], endpoints[key] = info, found
+    node_ips = []
+    for i, raw in enumerate(parts["nodeIPs"]):
+        try:
+            node_ips.append(ip_address(raw, f"nodeIPs[{i}]"))
+        except Malformed as exc:
+            restored.dropped("a node IP", exc)
+    ports: Ports = {}
+    for i, line in enumerate(parts["proxyPorts"]):
+        try:
+            name, port = restored.proxy_port(line)
+        except Malformed as exc:
+            restored.dropped(f"proxyPorts[{i}]", exc)
+            continue
+        ports[name] = port
     snapshot = Snapshot(
         services=MappingProxyType(services),
         endpoints=MappingProxyType(endpoints),
         node_name=node_name,
-        node_ips=node_ips,
+        node_ips=tuple(node_ips),
+        node_zone=zone if isinstance(zone := document.get("nodeZone"), str) else "",
+        pod_cidrs=restored.pod_cidrs(document.get("podCIDRs")),
     )
     return snapshot, ports
-
-
-def _info(name: ServicePortName, raw: Any) -> ServicePortInfo:
-    if not isinstance(raw, dict):
-        raise TypeError("service port info is not an object")
-    values: dict[str, Any] = {"name": name}
-    for f in dataclasses.fields(ServicePortInfo):
-        if f.name == "name" or f.name not in raw:
-            continue  # a field this file predates keeps its default
-        value = raw[f.name]
-        values[f.name] = tuple(str(v) for v in value) if isinstance(value, list) else value
-    info = ServicePortInfo(**values)
-    for f in dataclasses.fields(info):
-        default = f.default if f.default is not dataclasses.MISSING else None
-        value = getattr(info, f.name)
-        if default is not None and type(value) is not type(default):
-            raise TypeError(f"{f.name} is a {type(value).__name__}")
-    return info
-
-
-def _endpoint(raw: Any) -> Endpoint:
-    ip, port, ready, serving, terminating, node = raw
-    if not isinstance(ip, str) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"bad endpoint {raw!r}")
-    return Endpoint(ip, port, bool(ready), bool(serving), bool(terminating), node)
 
 
 def save(directory: str, snapshot: Snapshot, ports: Ports) -> None:
@@ -328,18 +350,69 @@ def path(directory: str) -> Path:
     return Path(directory) / FILE_NAME
 
 
-def load(directory: str, *, node_name: str | None) -> tuple[Snapshot, Ports] | None:
-    """The snapshot and ports an earlier run saved, or None (missing; unusable: a warning)."""
+def load(
+    directory: str, *, node_name: str | None, loopback: bool = False
+) -> tuple[Snapshot, Ports] | None:
+    """The snapshot and ports an earlier run saved, or None (missing; unusable: a warning).
+
+    A file others could have written (not a regular file, another owner, writable by its
+    group or others) is unusable too: it is ignored, and the next save replaces it.
+    """
     path = Path(directory) / FILE_NAME
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as exc:
         log.warning("cannot read the state file %s: %s; starting without it", path, exc)
         return None
+    with os.fdopen(fd, "rb") as file:
+        unsafe = _others_can_write(os.fstat(file.fileno()), directory=False)
+        if unsafe:
+            log.warning("ignoring the state file %s: %s", path, unsafe)
+            return None
+        try:
+            data = file.read()
+        except OSError as exc:
+            log.warning("cannot read the state file %s: %s; starting without it", path, exc)
+            return None
     try:
-        return decode(data, node_name=node_name)
+        return decode(data, node_name=node_name, loopback=loopback)
     except StateFileError as exc:
         log.warning("ignoring the state file %s: %s", path, exc)
         return None
+
+
+class UnsafeDirectory(ProxyError):
+    """The state directory exists and others than this user can write to it."""
+
+
+def check_directory(directory: str) -> None:
+    """Raise UnsafeDirectory when `directory` exists and is not a directory only this
+    process's user may write to (a missing one is created with mode 0700 when needed)."""
+    try:
+        found = os.stat(directory)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UnsafeDirectory(f"the state directory {directory}: {exc.strerror or exc}") from None
+    unsafe = _others_can_write(found, directory=True)
+    if unsafe:
+        raise UnsafeDirectory(
+            f"refusing the state directory {directory}: {unsafe}; the state file and"
+            " handover.sock would be open to them (fix it, e.g. chown and chmod 0700, or pass"
+            " another --state-dir)"
+        )
+
+
+def _others_can_write(found: os.stat_result, *, directory: bool) -> str:
+    """Why others than this user could write the file `found` describes ("" if none can)."""
+    if directory and not stat.S_ISDIR(found.st_mode):
+        return "not a directory"
+    if not directory and not stat.S_ISREG(found.st_mode):
+        return "not a regular file"
+    if found.st_uid != os.geteuid():
+        return f"owned by uid {found.st_uid}, not {os.geteuid()} (this process)"
+    if found.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by its group or others (mode {stat.S_IMODE(found.st_mode):04o})"
+    return ""

@@ -1,6 +1,23 @@
 """Worker processes: the data plane on every core, fed by the control process.
 
-- `channel`: framed messages on the control <-> worker socketpair.
-- `pool`: the control side (start, feed, steer, sum, supervise).
+The control process's side, top to bottom:
+
+- `pool`: `WorkerPool`, the proxier's data plane with workers (the one object the rest of the
+  program holds), and `SharedPort`, a proxy port the workers serve.
+- `supervisor`: keeps the worker processes running (spawn, ping, restart, warm spare, reap).
+- `publisher`: sends them the full table, then deltas, in an order that keeps steering right;
+  sends again the ports a worker could not open.
+- `counters`: sums their counters into the proxier's ConnStats; their debug reports.
+- `handover`: passes each worker's sockets to the same slot of the next process.
+- `groups`: each port's reuseport group as the kernel keeps it, and its steering route.
+- `link`: the handle of one worker process, and the answers awaited from workers.
+
+Both sides:
+
+- `protocol`: every message between the control process and a worker, a declared type each.
+- `channel`: framed plain tuples on the control <-> worker socketpair.
+
+The worker's side:
+
 - `process`: the worker process itself (`python -m kube_userspace_proxy.workers.process`).
 """

@@ -1,4 +1,6 @@
-"""The control process <-> worker channel: length-prefixed tuples on a socketpair.
+"""The control process <-> worker channel: length-prefixed plain tuples on a socketpair.
+
+Framing only: which tuples are messages, and what their fields mean, is `protocol`'s.
 
 Both ends are this program (the same interpreter), connected by a socketpair the control
 process made, so marshal's and pickle's trust model holds. Tables are plain tuples, strings and
@@ -21,18 +23,13 @@ MAX_MESSAGE = 512 * 1024 * 1024
 
 
 def encode(message: tuple[Any, ...]) -> bytes:
-    """`message` framed for the channel (encode once to send the same table to every worker)."""
+    """`message` (a plain tuple: a tag, then fields) framed for the channel."""
     try:
         # Plain tuples, strings and numbers (the tables): marshal reads them 3x faster.
         body = _MARSHAL + marshal.dumps(message)
     except ValueError:  # an object marshal does not know
         body = _PICKLE + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(body)) + body
-
-
-def send(writer: asyncio.StreamWriter, message: tuple[Any, ...] | bytes) -> None:
-    """Queue `message` (a tuple whose first item names it, or `encode`d); never blocks."""
-    writer.write(message if isinstance(message, bytes) else encode(message))
 
 
 def pack(value: Any) -> bytes:
@@ -48,7 +45,7 @@ def unpack(data: bytes) -> Any:
 
 
 async def receive(reader: asyncio.StreamReader) -> tuple[Any, ...]:
-    """The next message; raises asyncio.IncompleteReadError at end of stream."""
+    """The next frame's tuple; raises asyncio.IncompleteReadError at end of stream."""
     (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
     if size > MAX_MESSAGE:
         raise ValueError(f"channel message of {size} bytes is over the {MAX_MESSAGE} limit")

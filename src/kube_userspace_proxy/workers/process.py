@@ -6,6 +6,9 @@ imports the control plane's libraries (kubernetes_asyncio, aiohttp, pydantic, ip
 starts small. Each table it receives is the complete set of served ports; it reconciles its
 listeners to it, like the proxier does, and answers with the order in which its sockets joined
 and left each port's reuseport group (the control process steers clients with that).
+
+Every message it reads or writes is a `protocol` type; `Worker.run` hands each to its handler
+through a table keyed by the message's type.
 """
 
 from __future__ import annotations
@@ -19,42 +22,83 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kube_userspace_proxy import collector, fdpass, logs
-from kube_userspace_proxy.balancer import PINS_SHOWN, EndpointPool
+from kube_userspace_proxy.balancer import PINS_SHOWN, EndpointPool, Transparency, source_policy
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
 from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.dataplane.tcp import is_listening
 from kube_userspace_proxy.model import Address, Endpoint, Protocol, ServicePortName, SocketKey
-from kube_userspace_proxy.workers import channel
+from kube_userspace_proxy.workers import channel, protocol
+from kube_userspace_proxy.workers.protocol import (
+    Adopt,
+    Adopted,
+    Adopting,
+    Applied,
+    Become,
+    Collect,
+    Collected,
+    Delta,
+    Drain,
+    Drained,
+    Export,
+    Exported,
+    Hello,
+    ListenerEntry,
+    Membership,
+    Penalty,
+    Ping,
+    Pong,
+    PoolEntry,
+    PoolView,
+    Routes,
+    Settings,
+    Steer,
+    Table,
+)
 
 log = logs.get(__name__)
 
-"""(protocol, host, port) of one served socket."""
 HANDOVER_TIMEOUT = 60.0
 """Seconds a worker waits for its predecessor's sockets (the old process may be busy)."""
 REPORT_PART = 250
 """Service ports per part of a "collected" report: a part is built here, and read and taken in
 by the control process, in one turn of a loop (at 10,000 ports a report in one piece held
 the control process's loop for 70-235 ms of CPU)."""
-PoolEntry = tuple[tuple[str, str, str, str], tuple[Address, ...], float | None, int]
-"""A pool as the control process sends it: (name parts, addresses, affinity timeout, PROXY)."""
 
 
 class _Pool(EndpointPool):
-    """An endpoint pool whose dial failures are also reported to the other workers."""
+    """An endpoint pool whose dial failures are also reported to the other workers; the
+    worker's copy of its slot (`EndpointPool.take_slot`)."""
 
     def __init__(self, pool_id: int, name: ServicePortName, worker: Worker) -> None:
-        super().__init__(name)
+        super().__init__(name, slot=worker.index, slots=worker.slots)
         self.pool_id = pool_id
         self.worker = worker
-        self.last: tuple[tuple[Address, ...], float | None] | None = None
+        self.last: tuple[tuple[Address, ...], float | None, Transparency] | None = None
 
     def dial_failed(self, address: Address) -> None:
         super().dial_failed(address)
         self.worker.report_penalty(self.pool_id, address)
+
+    def take(
+        self,
+        addresses: tuple[Address, ...],
+        timeout: float | None,
+        proxy_protocol: int,
+        transparency: Transparency,
+    ) -> bool:
+        """Take this pool's entry of a table or delta; whether its endpoints changed."""
+        self.proxy_protocol = proxy_protocol
+        self.source = source_policy(transparency[0])
+        if self.last == (addresses, timeout, transparency):
+            return False
+        self.last = (addresses, timeout, transparency)
+        endpoints = [Endpoint(ip, port) for ip, port in addresses]
+        self.update(endpoints, affinity_timeout=timeout, local=frozenset(transparency[1]))
+        return True
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,14 +116,19 @@ class Worker:
         index: int,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        *,
+        slots: int = 1,
     ) -> None:
         self.index = index
+        self.slots = slots
+        """How many workers serve (this one included): each starts its round robins at its
+        own place, so that their first picks spread over the endpoints."""
         self._reader = reader
         self._writer = writer
         self._served: dict[SocketKey, _Served] = {}
         self._pools: dict[int, _Pool] = {}
         self._stats: dict[str, ConnStats] = {}
-        self._events: list[tuple[str, SocketKey]] = []
+        self._events: list[Membership] = []
         self._programs: dict[tuple[int, ...], bytes] = {}
         self._routes: dict[SocketKey, tuple[int, ...]] = {}
         self._group_socks: dict[SocketKey, socket.socket] = {}
@@ -91,117 +140,119 @@ class Worker:
         self._unserved: set[SocketKey] = set()
         self.udp_idle_timeout = 0.25
         self.tcp_keepalive = 15.0
+        self._stopped = False
+        # Each message the control process sends, by its type: the method that takes it.
+        self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
+            Table: self._on_table,
+            Delta: self._on_delta,
+            Ping: self._on_ping,
+            Become: self._on_become,
+            Steer: self._on_steer,
+            Penalty: self._on_penalty,
+            Collect: self._collect,
+            Adopt: self._adopt,
+            Export: self._export,
+            Drain: self._on_drain,
+        }
 
     # ---- the channel -----------------------------------------------------------------------
 
     async def run(self) -> int:
         """Serve tables until told to drain (exit 0) or the control process goes away (1)."""
-        channel.send(self._writer, ("hello", self.index, os.getpid()))
-        while True:
+        protocol.send(self._writer, Hello(self.index, os.getpid()))
+        while not self._stopped:
             try:
-                message = await channel.receive(self._reader)
+                frame = await channel.receive(self._reader)
             except (asyncio.IncompleteReadError, ConnectionError):
                 log.error("worker %d: the control process is gone; stopping", self.index)
                 await self.drain(1.0)
                 return 1
-            kind = message[0]
-            if kind == "table":
-                with collector.held_off():  # what a whole table builds lives on (frozen)
-                    await self.apply(*message[1:])
-            elif kind == "delta":
-                with collector.held_off():  # the first one carries the whole table
-                    await self.apply_delta(*message[1:])
-            elif kind == "ping":  # the control process checks that this loop runs
-                channel.send(self._writer, ("pong", message[1], self.index))
-            elif kind == "become":  # a spare takes the slot of a worker that died
-                self.index = message[1]
-            elif kind == "steer":
-                self.steer(message[1])
-            elif kind == "penalty":
-                pool = self._pools.get(message[1])
-                if pool is not None:
-                    EndpointPool.dial_failed(pool, message[2])
-            elif kind == "collect":
-                await self._collect(message[1], message[2])
-            elif kind == "adopt":  # take the sockets of the worker this one replaces
-                await self._adopt(message[1], message[2])
-            elif kind == "export":  # hand this worker's sockets to the one replacing it
-                await self._export(message[1], message[2])
-            elif kind in ("drain", "release"):
-                await self.drain(message[1], release=kind == "release")
-                channel.send(self._writer, ("drained", self.index))
-                await self._writer.drain()
-                return 0
-            else:
-                log.error("worker %d: unknown message %r", self.index, kind)
+            try:
+                message = protocol.decode(frame)
+                handler = self._handlers[type(message)]
+            except (ValueError, KeyError) as exc:
+                log.error("worker %d: unknown message %r: %s", self.index, frame[0], exc)
+                continue
+            await handler(message)
+        return 0
+
+    async def _on_table(self, table: Table) -> None:
+        with collector.held_off():  # what a whole table builds lives on (frozen)
+            await self.apply(table)
+
+    async def _on_delta(self, delta: Delta) -> None:
+        with collector.held_off():  # the first one carries the whole table
+            await self.apply_delta(delta)
+
+    async def _on_ping(self, ping: Ping) -> None:
+        """The control process checks that this loop runs."""
+        protocol.send(self._writer, Pong(ping.seq, self.index))
+
+    async def _on_become(self, become: Become) -> None:
+        """This spare takes the slot of a worker that died; its pools start at the slot's
+        place if they have not picked yet."""
+        self.index = become.worker
+        for pool in self._pools.values():
+            pool.take_slot(self.index, self.slots)
+
+    async def _on_steer(self, steer: Steer) -> None:
+        self.steer(steer.routes)
+
+    async def _on_penalty(self, penalty: Penalty) -> None:
+        """Another worker's dial to this endpoint failed: skip it here too."""
+        pool = self._pools.get(penalty.pool_id)
+        if pool is not None:
+            EndpointPool.dial_failed(pool, penalty.address)
+
+    async def _on_drain(self, drain: Drain) -> None:
+        await self.drain(drain.grace, release=drain.release)
+        protocol.send(self._writer, Drained(drain.seq, self.index))
+        await self._writer.drain()
+        self._stopped = True
 
     def report_penalty(self, pool_id: int, address: Address) -> None:
-        channel.send(self._writer, ("penalty", pool_id, address))
+        protocol.send(self._writer, Penalty(pool_id, address))
 
     # ---- the table ---------------------------------------------------------------------------
 
-    async def apply(
-        self,
-        seq: int,
-        settings: dict[str, Any],
-        listeners: Sequence[tuple[SocketKey, str, int, int]],
-        pools: dict[int, PoolEntry],
-        routes: dict[SocketKey, tuple[int, ...]],
-    ) -> None:
+    async def apply(self, table: Table) -> None:
         """Make the listeners and pools match the whole table; report group joins and leaves."""
-        changed = self._take(settings, pools, routes)
-        wanted = {entry[0] for entry in listeners}
+        changed = self._take(table.settings, table.pools, table.routes)
+        wanted = {key for key, _, _, _ in table.listeners}
         self._unserved &= wanted
         await self._drop([k for k in self._served if k not in wanted])
-        await self._upsert(listeners, changed)
-        for pool_id in [p for p in self._pools if p not in pools]:
+        await self._upsert(table.listeners, changed)
+        for pool_id in [p for p in self._pools if p not in table.pools]:
             del self._pools[pool_id]
         self._forget_unserved()
-        self._answer(seq)
+        self._answer(table.seq)
 
-    async def apply_delta(  # noqa: PLR0917 - the delta message, field by field
-        self,
-        seq: int,
-        settings: dict[str, Any],
-        listeners: Sequence[tuple[SocketKey, str, int, int]],
-        removed: Sequence[SocketKey],
-        pools: dict[int, PoolEntry],
-        routes: dict[SocketKey, tuple[int, ...]],
-    ) -> None:
+    async def apply_delta(self, delta: Delta) -> None:
         """Take the ports changed since the last table or delta (`removed`: gone); the rest
         stays as it is. Costs time in proportion to the change."""
-        changed = self._take(settings, pools, routes)
-        await self._drop(removed)
-        await self._upsert(listeners, changed)
-        if removed:
+        changed = self._take(delta.settings, delta.pools, delta.routes)
+        await self._drop(delta.removed)
+        await self._upsert(delta.listeners, changed)
+        if delta.removed:
             used = {s.pool_id for s in self._served.values()}
             for pool_id in [p for p in self._pools if p not in used]:
                 del self._pools[pool_id]
             self._forget_unserved()
-        self._answer(seq)
+        self._answer(delta.seq)
 
-    def _take(
-        self,
-        settings: dict[str, Any],
-        pools: dict[int, PoolEntry],
-        routes: dict[SocketKey, tuple[int, ...]],
-    ) -> set[int]:
+    def _take(self, settings: Settings, pools: dict[int, PoolEntry], routes: Routes) -> set[int]:
         """Take the settings, routes and pools of a table or delta; the pools that changed."""
-        self.udp_idle_timeout = float(settings.get("udp_idle_timeout", self.udp_idle_timeout))
-        self.tcp_keepalive = float(settings.get("tcp_keepalive", self.tcp_keepalive))
+        self.udp_idle_timeout = float(settings.udp_idle_timeout)
+        self.tcp_keepalive = float(settings.tcp_keepalive)
         self._routes.update(routes)
         changed: set[int] = set()
-        for pool_id, (port_name, addresses, timeout, proxy_protocol) in pools.items():
+        for pool_id, (pool_name, addresses, timeout, proxy_protocol, tp) in pools.items():
             pool = self._pools.get(pool_id)
             if pool is None:
-                spn = ServicePortName(*port_name[:3], Protocol(port_name[3]))
+                namespace, name, port, kind = pool_name
+                spn = ServicePortName(namespace, name, port, Protocol(kind))
                 pool = self._pools[pool_id] = _Pool(pool_id, spn, self)
-            pool.proxy_protocol = proxy_protocol
-            if pool.last != (addresses, timeout):
-                pool.last = (addresses, timeout)
-                pool.update(
-                    [Endpoint(ip, port) for ip, port in addresses], affinity_timeout=timeout
-                )
+            if pool.take(addresses, timeout, proxy_protocol, tp):
                 changed.add(pool_id)
         return changed
 
@@ -212,9 +263,7 @@ class Worker:
             if served is not None:
                 await self._retire(key, served.listener)
 
-    async def _upsert(
-        self, listeners: Sequence[tuple[SocketKey, str, int, int]], changed: set[int]
-    ) -> None:
+    async def _upsert(self, listeners: Sequence[ListenerEntry], changed: set[int]) -> None:
         for key, name, pool_id, v6only in listeners:
             pool = self._pools[pool_id]
             served_now = self._served.get(key)
@@ -247,7 +296,7 @@ class Worker:
             sock.close()
         self._adopted.clear()
         events, self._events = self._events, []
-        channel.send(self._writer, ("applied", seq, self.index, events, sorted(self._unserved)))
+        protocol.send(self._writer, Applied(seq, self.index, events, sorted(self._unserved)))
         # The table's objects live until the next one: keep the cyclic collector from walking
         # them again and again (at 10,000 ports a full collection stalls the loop ~0.1 s).
         gc.freeze()
@@ -313,15 +362,16 @@ class Worker:
 
     # ---- handing sockets over between the workers of one slot -----------------------------
 
-    async def _adopt(self, seq: int, path: str) -> None:
-        """Listen at `path` for the sockets of the worker this one replaces; report how many
-        arrived. They are served as the next table names them."""
+    async def _adopt(self, adopt: Adopt) -> None:
+        """Listen at `adopt.path` for the sockets of the worker this one replaces; report how
+        many arrived. They are served as the next table names them."""
+        seq, path = adopt
         try:
             server = fdpass.listen(path)
         except OSError as exc:
-            channel.send(self._writer, ("adopting", seq, self.index, str(exc)))
+            protocol.send(self._writer, Adopting(seq, self.index, str(exc)))
             return
-        channel.send(self._writer, ("adopting", seq, self.index, ""))
+        protocol.send(self._writer, Adopting(seq, self.index, ""))
         error = ""
         try:
             async with asyncio.timeout(HANDOVER_TIMEOUT):
@@ -331,10 +381,8 @@ class Worker:
                         message, socks = await fdpass.receive(conn)
                         if "done" in message:
                             break
-                        for (protocol, host, port), sock in zip(
-                            message["keys"], socks, strict=True
-                        ):
-                            self._adopted[(str(protocol), str(host), int(port))] = sock
+                        for (kind, host, port), sock in zip(message["keys"], socks, strict=True):
+                            self._adopted[(str(kind), str(host), int(port))] = sock
         except (OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
             error = repr(exc)
             for sock in self._adopted.values():
@@ -344,11 +392,12 @@ class Worker:
             server.close()
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        channel.send(self._writer, ("adopted", seq, self.index, len(self._adopted), error))
+        protocol.send(self._writer, Adopted(seq, self.index, len(self._adopted), error))
 
-    async def _export(self, seq: int, path: str) -> None:
-        """Send every served socket to the worker listening at `path` (this one goes on
-        serving until told to release)."""
+    async def _export(self, export: Export) -> None:
+        """Send every served socket to the worker listening at `export.path` (this one goes
+        on serving until told to release)."""
+        seq, path = export
         items = [
             (list(key), served.listener.fileno())
             for key, served in self._served.items()
@@ -366,7 +415,7 @@ class Worker:
                     await fdpass.send(conn, {"done": len(items)})
         except (OSError, TimeoutError) as exc:
             error = repr(exc)
-        channel.send(self._writer, ("exported", seq, self.index, len(items), error))
+        protocol.send(self._writer, Exported(seq, self.index, len(items), error))
 
     async def _retire(self, key: SocketKey, listener: TcpListener | UdpListener) -> None:
         await listener.close()
@@ -378,7 +427,7 @@ class Worker:
 
     def _membership(self, key: SocketKey, sock: socket.socket | None) -> None:
         """A socket of ours joined (`sock`) or left (None) the group of `key`."""
-        self._events.append(("join" if sock is not None else "leave", key))
+        self._events.append(Membership(sock is not None, key))
         if sock is None:
             self._group_socks.pop(key, None)
             return
@@ -396,7 +445,7 @@ class Worker:
         except OSError as exc:
             log.error("worker %d: cannot steer %s %s:%d: %s", self.index, *key, exc)
 
-    def steer(self, routes: dict[SocketKey, tuple[int, ...]]) -> None:
+    def steer(self, routes: Routes) -> None:
         """Attach the programs for changed groups (to the sockets this worker has in them)."""
         for key, route in routes.items():
             if key not in self._served:
@@ -408,38 +457,36 @@ class Worker:
 
     # ---- counters and shutdown ------------------------------------------------------------
 
-    async def _collect(self, request: int, debug: bool) -> None:
+    async def _collect(self, collect: Collect) -> None:
         """Report the counters (with `debug`, each pool's pins and balancer too) in parts of
         REPORT_PART service ports, yielding to this loop between parts; the last part says so.
 
-        A pool's debug data travels `channel.pack`ed, and the control process keeps it so
+        A pool's debug data travels `protocol.pack_view`ed, and the control process keeps it so
         until a view reads it: 10,000 pools as nested tuples were ~140,000 objects for its
         garbage collector to walk, and its full passes took 10-25 ms of CPU.
         """
         stats = list(self._stats.items())
-        pools = list(self._pools.items()) if debug else []
+        pools = list(self._pools.items()) if collect.debug else []
         parts = max(1, -(-max(len(stats), len(pools)) // REPORT_PART))
         for part in range(parts):
             window = slice(part * REPORT_PART, (part + 1) * REPORT_PART)
             counters = {
                 name: tuple(getattr(s, field) for field in COUNTERS) for name, s in stats[window]
             }
-            views = None
-            if debug:
-                views = {
-                    pid: channel.pack(
-                        (
-                            pool.affinity_count(),
-                            tuple(pool.affinity_entries(PINS_SHOWN)),
-                            tuple(pool.tallies()),
-                            tuple(pool.recent_picks()),
-                            tuple(pool.penalized()),
-                        )
+            views = {
+                pid: protocol.pack_view(
+                    PoolView(
+                        pool.affinity_count(),
+                        tuple(pool.affinity_entries(PINS_SHOWN)),
+                        tuple(pool.tallies()),
+                        tuple(pool.recent_picks()),
+                        tuple(pool.penalized()),
                     )
-                    for pid, pool in pools[window]
-                }
+                )
+                for pid, pool in pools[window]
+            }
             last = part == parts - 1
-            channel.send(self._writer, ("collected", request, self.index, counters, views, last))
+            protocol.send(self._writer, Collected(collect.seq, self.index, counters, views, last))
             if not last:
                 await asyncio.sleep(0)
 
@@ -466,13 +513,14 @@ async def _main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, lambda: None)
-    return await Worker(args.index, reader, writer).run()
+    return await Worker(args.index, reader, writer, slots=args.workers).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kube-userspace-proxy worker")
     parser.add_argument("--fd", type=int, required=True, help="the channel's descriptor")
     parser.add_argument("--index", type=int, required=True, help="this worker's number")
+    parser.add_argument("--workers", type=int, default=1, help="how many workers serve (default 1)")
     parser.add_argument("-v", dest="verbosity", type=int, default=0)
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop")

@@ -1,4 +1,14 @@
-"""Sources feed a ClusterState with Services, EndpointSlices and the node's own Node."""
+"""Sources feed a StateSink with Services, EndpointSlices and the node's own Node.
+
+- `kube`: `KubeSource`, which resources with which selectors into the sink, one supervised
+  loop per resource (backoff, relist, rate-limited logging of trouble).
+- `watching`: list, then watch, as layered async generators (lines, events, one stream, a
+  paginated list with its "listed" sentinel, and `follow` tying them to a resume `Cursor`).
+- `client`: the API client's configuration, credentials kept fresh, request observation.
+- `failures`: what can go wrong talking to the API server (410, error statuses, bad data).
+- `retry`: rate limit, backoff, Retry-After.
+- `manifests`: `ManifestSource`, YAML/JSON files reloaded when they change.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """ManifestSource: Services and EndpointSlices from YAML/JSON files, reloaded when they change.
 
-The same objects `kubectl apply -f` takes (multi-document YAML, `kind: List`); other kinds are
-ignored. A file that stops parsing keeps its last good objects until it parses again; nothing in
-a file (nor an unexpected error in a poll) ends the polling.
+The same objects `kubectl apply -f` takes (multi-document YAML, `kind: List`); a Node named as
+this node gives its addresses and zone, as the API's would; other kinds are ignored. A file that
+stops parsing keeps its last good objects until it parses again; nothing in a file (nor an
+unexpected error in a poll) ends the polling.
 """
 
 from __future__ import annotations
@@ -14,18 +15,19 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.cluster.state import ClusterState, Kind
+from kube_userspace_proxy.cluster.sink import Kind, StateSink
 from kube_userspace_proxy.errors import ManifestError
 
 log = logs.get(__name__)
 
 SUFFIXES = frozenset({".yaml", ".yml", ".json"})
 KINDS: tuple[Kind, ...] = ("Service", "EndpointSlice")
+ManifestKind = Literal["Service", "EndpointSlice", "Node"]
 MAX_LIST_DEPTH = 16  # `kind: List` inside `kind: List` ...; deeper is refused as malformed
 
 # What identifies a file's content cheaply: a rewrite, a rename over it or an append changes it.
@@ -35,10 +37,10 @@ Signature = tuple[int, int, int, int]  # (mtime_ns, size, inode, device)
 @dataclass(frozen=True, slots=True)
 class _Loaded:
     signature: Signature
-    objects: tuple[tuple[Kind, dict[str, Any]], ...]
+    objects: tuple[tuple[ManifestKind, dict[str, Any]], ...]
 
 
-def read_manifest(path: Path) -> list[tuple[Kind, dict[str, Any]]]:
+def read_manifest(path: Path) -> list[tuple[ManifestKind, dict[str, Any]]]:
     """The Services and EndpointSlices of one file; raises ManifestError naming file:line."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -64,13 +66,13 @@ def read_manifest(path: Path) -> list[tuple[Kind, dict[str, Any]]]:
     return _objects(documents, path)
 
 
-def _objects(documents: Sequence[Any], path: Path) -> list[tuple[Kind, dict[str, Any]]]:
+def _objects(documents: Sequence[Any], path: Path) -> list[tuple[ManifestKind, dict[str, Any]]]:
     """The Services and EndpointSlices in documents, `kind: List` items flattened in order.
 
     Iterative, and each List is walked once: YAML aliases can make a List contain itself,
     or share one List many times over (exponential work); both are a ManifestError.
     """
-    found: list[tuple[Kind, dict[str, Any]]] = []
+    found: list[tuple[ManifestKind, dict[str, Any]]] = []
     walked: set[int] = set()  # id() of every List (and items array) walked so far
     stack: list[Iterator[Any]] = [iter(documents)]
     while stack:
@@ -93,6 +95,8 @@ def _objects(documents: Sequence[Any], path: Path) -> list[tuple[Kind, dict[str,
                 raise ManifestError(f"{path}: kind: List nested over {MAX_LIST_DEPTH} deep")
             walked.update(ids)
             stack.append(iter(items if isinstance(items, list) else ()))
+        elif kind == "Node":
+            found.append(("Node", document))  # a Node has no namespace
         elif kind in KINDS:
             metadata = document.get("metadata")
             # As kubectl: an object without a namespace goes to "default".
@@ -114,7 +118,7 @@ def _signature(path: Path) -> Signature | None:
 
 
 class ManifestSource:
-    """Feeds a ClusterState from manifest files or directories (`*.yaml`, `*.yml`, `*.json`).
+    """Feeds a StateSink from manifest files or directories (`*.yaml`, `*.yml`, `*.json`).
 
     `run()` polls the files every `poll_interval` seconds (a stat per file) and replaces both
     kinds in the state when any file changed.
@@ -123,7 +127,7 @@ class ManifestSource:
     def __init__(
         self,
         paths: Sequence[str | Path],
-        state: ClusterState,
+        state: StateSink,
         *,
         poll_interval: float = 0.5,
     ) -> None:
@@ -289,9 +293,15 @@ class ManifestSource:
 
     def _feed(self) -> None:
         by_kind: dict[Kind, dict[tuple[str, str], Mapping[str, Any]]] = {k: {} for k in KINDS}
+        node: Mapping[str, Any] | None = None
         for path in self._order:
             loaded = self._loaded.get(path)
             for kind, obj in loaded.objects if loaded is not None else ():
+                if kind == "Node":
+                    meta = obj.get("metadata")
+                    if isinstance(meta, dict) and meta.get("name") == self.state.node_name:
+                        node = obj
+                    continue
                 meta = obj.get("metadata")
                 key = (
                     (str(meta.get("namespace")), str(meta.get("name")))
@@ -301,5 +311,6 @@ class ManifestSource:
                 if key in by_kind[kind]:
                     log.warning("%s %s/%s in %s overrides an earlier one", kind, *key, path)
                 by_kind[kind][key] = obj
+        self.state.set_node(node)
         for kind in KINDS:
             self.state.replace(kind, list(by_kind[kind].values()))

@@ -1,0 +1,315 @@
+"""The control process's life: serve -> startup -> main loop -> shutdown, read top to bottom.
+
+Every long-lived coroutine is a named root task started here. A failure in one connection is
+contained by the data plane; a failure in a root task stops the process loudly (exit 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import resource
+import signal
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar, cast
+
+import uvloop
+
+from kube_userspace_proxy import logs
+from kube_userspace_proxy.app.handover import Giver, hand_over, ops_sockets, take_over
+from kube_userspace_proxy.app.proxy import Proxy
+from kube_userspace_proxy.cluster.sources import Source
+from kube_userspace_proxy.cluster.sources.manifests import ManifestSource
+from kube_userspace_proxy.cluster.state import ClusterState
+from kube_userspace_proxy.config import kubeproxy as kpc
+from kube_userspace_proxy.config.settings import ProxyConfig, effective_document
+from kube_userspace_proxy.errors import ProxyError
+from kube_userspace_proxy.model import ProxiedPort, Snapshot
+from kube_userspace_proxy.ops.health import watch_lag
+from kube_userspace_proxy.ops.metrics import ProxyMetrics, SourceCounters
+from kube_userspace_proxy.ops.server import start_ops
+from kube_userspace_proxy.portals import explain
+from kube_userspace_proxy.restart import handover, statefile
+
+log = logs.get(__name__)
+T = TypeVar("T")
+
+Started = Callable[[Proxy], Awaitable[None] | None]
+"""Called once the root tasks run (the CLI's demo and tests inspect the proxy then)."""
+
+
+async def serve(
+    config: ProxyConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    started: Started | None = None,
+) -> int:
+    """Run the proxy until SIGTERM/SIGINT (or `stop`), then shut down gracefully; exit code."""
+    limit = raise_nofile_limit()
+    log.info(
+        "kube-userspace-proxy starting (userspace mode, %d worker process(es), RLIMIT_NOFILE=%d)",
+        config.worker_count if config.worker_count > 1 else 0,
+        limit,
+    )
+    proxy = build(config)
+    # Until the first sync, nearly all that is built lives on (see collector.py).
+    proxy.first_build.begin()
+    try:
+        return await _serve(proxy, stop or asyncio.Event(), started)
+    finally:
+        proxy.first_build.abandon()  # ended before its first sync: the collector runs again
+
+
+async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> int:
+    """Take over from a running proxy (or find the saved state), then startup -> main loop ->
+    shutdown; signals set `stop` meanwhile."""
+    config = proxy.config
+    taken = None
+    if config.state_dir:
+        try:
+            # Before anything in it is read or listened to: others must not write there.
+            statefile.check_directory(config.state_dir)
+            taken = await handover.take(
+                config.state_dir,
+                proxy.workers.count if proxy.workers else 1,
+                wait_exit=config.shutdown_grace + 30,
+            )
+        except ProxyError as exc:
+            log.error("%s", exc)
+            return 1
+    saved = proxy.saved_state() if taken is None else None
+    if saved is None:
+        # A bad kubeconfig is a configuration error (exit 2), found before anything runs.
+        await _check_client_configuration(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, _on_signal, sig, stop)
+    if not await _startup(proxy, taken, saved):
+        return 1
+    outcome = await _main_loop(proxy, stop, started)
+    await _shutdown(proxy, stop)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(sig)
+    log.info("stopped (rules left in place; `kube-userspace-proxy cleanup` removes them)")
+    return 0 if outcome == "stopped" else 1
+
+
+async def _startup(
+    proxy: Proxy,
+    taken: handover.Taken | None,
+    saved: tuple[Snapshot, statefile.Ports] | None,
+) -> bool:
+    """Open the ops sites and the workers; serve what was handed over or saved. False: failed
+    (logged; what was opened is closed, what was handed over left to the old process)."""
+    config = proxy.config
+    try:
+        await _start_ops(proxy, taken)
+        if proxy.workers is not None:
+            await proxy.workers.start()
+        if taken is not None:
+            await take_over(proxy, taken)
+        elif saved is not None:
+            # Served from the file first (a restart during an API-server outage); a bad
+            # kubeconfig still ends the process with exit code 2.
+            await proxy.restore(saved)
+            await _check_client_configuration(config)
+    except ProxyError as exc:
+        log.error("%s", exc)
+        if taken is not None:
+            # Nothing of what was handed over is closed or shut down here: the old process
+            # serves on with it; killing the workers closes their descriptors only.
+            taken.close()
+            if proxy.workers is not None:
+                proxy.workers.abandon()
+            return False
+        if proxy.ops is not None:
+            await proxy.ops.close()
+        return False
+    return True
+
+
+async def _main_loop(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> str:
+    """Run the root tasks until `stop` is set or one ends; "stopped" or "failed"."""
+    config = proxy.config
+    source = make_source(config, proxy.state, proxy.metrics)
+    if not config.manifests:  # the API source's relist, error and bad-data counters
+        proxy.metrics.follow_source(cast(SourceCounters, source))
+    tasks = [
+        asyncio.create_task(source.run(), name="source"),
+        asyncio.create_task(proxy.runner.loop(), name="sync"),
+        asyncio.create_task(proxy.pipeline.apply_loop(), name="apply"),
+        asyncio.create_task(proxy.health.heartbeat(), name="heartbeat"),  # for /livez
+        asyncio.create_task(watch_lag(proxy.metrics.loop_lag), name="loop-lag"),
+    ]
+    if config.state_dir:  # the next process takes over from this one
+        giver = Giver(proxy, stop)
+        tasks.append(
+            asyncio.create_task(
+                handover.serve(config.state_dir, giver, proxy.serving.wait()), name="handover"
+            )
+        )
+    if proxy.workers is not None:  # their loops count for /livez too
+        proxy.health.watch_loops(proxy.workers.stalest_answer)
+        tasks.append(asyncio.create_task(proxy.workers.heartbeat(), name="worker-heartbeat"))
+    if started is not None:
+        result = started(proxy)
+        if asyncio.iscoroutine(result):
+            await result
+    outcome = await _first_done(tasks, stop)
+    if proxy.handed_over:
+        outcome = "stopped"
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return outcome
+
+
+async def _shutdown(proxy: Proxy, stop: asyncio.Event) -> None:
+    """Stop serving: drain (open connections get --shutdown-grace), or hand over and drain."""
+    config = proxy.config
+    if proxy.handed_over:
+        await hand_over(proxy, stop)
+    else:
+        log.info("stopping: no new connections; open ones get %.1fs", config.shutdown_grace)
+        if proxy.workers is not None:
+            await proxy.workers.shutdown(config.shutdown_grace)
+        await proxy.service_health.close()
+        await proxy.proxier.shutdown(config.shutdown_grace)
+        if proxy.ops is not None:
+            await proxy.ops.close()
+
+
+def build(config: ProxyConfig) -> Proxy:
+    """Create the parts of a proxy for `config` (nothing is opened or started yet)."""
+    return Proxy(config)
+
+
+def make_source(
+    config: ProxyConfig, state: ClusterState, metrics: ProxyMetrics | None = None
+) -> Source:
+    """Manifests when `--manifests` is given, else the API server (counted in `metrics`)."""
+    if config.manifests:
+        return ManifestSource(list(config.manifests), state)
+    # Imported here: kubernetes_asyncio takes a quarter of the start-up, which a restart from
+    # the state file does not wait for.
+    from kube_userspace_proxy.cluster.sources.kube import KubeSource  # noqa: PLC0415
+
+    return KubeSource(
+        state,
+        kubeconfig=config.kubeconfig or None,
+        master=config.master or None,
+        node_name=state.node_name,
+        service_proxy_name=config.service_proxy_name or None,
+        qps=config.kube_api_qps,
+        burst=config.kube_api_burst,
+        relist_period=config.config_sync_period,
+        on_request=metrics.api_request if metrics is not None else None,
+    )
+
+
+async def _start_ops(proxy: Proxy, taken: handover.Taken | None = None) -> None:
+    config = proxy.config
+    adopted = ops_sockets(taken)
+    proxy.ops = await start_ops(
+        healthz_bind=config.healthz_bind_address,
+        metrics_bind=config.metrics_bind_address,
+        health=proxy.health,
+        metrics=proxy.metrics,
+        debug_state=proxy.proxier.debug_items,
+        configz=lambda: {kpc.GROUP: effective_document(config)},
+        collect=proxy.collect,
+        rules=proxy.counted_rules,
+        planned=proxy.planned_rules,
+        adopted=adopted,
+        allowed_hosts=config.metrics_allowed_hosts,
+    )
+    used = {id(sock) for _, sock in proxy.ops.listening}
+    for sock in adopted.values():
+        if id(sock) not in used:  # the old process's site on another address
+            sock.close()
+
+
+async def _check_client_configuration(config: ProxyConfig) -> None:
+    """Raise ConfigError (exit 2) when the API server's client configuration is unusable."""
+    if config.manifests:
+        return
+    from kube_userspace_proxy.cluster.sources.client import (  # noqa: PLC0415
+        load_client_configuration,
+    )
+
+    await load_client_configuration(config.kubeconfig or None, config.master or None)
+
+
+async def _first_done(tasks: Sequence[asyncio.Task[Any]], stop: asyncio.Event) -> str:
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    for task in tasks:
+        if task in done:
+            exc = task.exception()
+            if exc is not None:
+                log.error("root task %s failed: %r", task.get_name(), exc, exc_info=exc)
+                return "failed"
+            log.error("root task %s ended unexpectedly", task.get_name())
+            return "failed"
+    return "stopped"
+
+
+async def rules_text(config: ProxyConfig) -> str:
+    """The rules `run` would install for the current sources, each with its explanation.
+
+    Proxy ports are picked when the proxy starts, so the ones shown are examples (numbered
+    from the start of `--proxy-port-range`, or from 40000); /debug/state shows the live ones.
+    """
+    proxy = build(config.model_copy(update={"iptables_backend": "none", "workers": "1"}))
+    source = make_source(config, proxy.state)
+    await source.load_once()
+    snapshot = proxy.state.snapshot()
+    port_range = config.port_range
+    next_port = port_range[0] if port_range else 40000
+    ports = []
+    for info in sorted(snapshot.services.values(), key=lambda i: i.name):
+        cluster = next_port
+        external = next_port + 1 if info.paths_differ else cluster
+        next_port = external + 1
+        ports.append(ProxiedPort(info, cluster, external))
+    node_ips = proxy.configured(snapshot).node_ips
+    lines = [
+        f"# {len(ports)} service port(s); node IPs: "
+        + (", ".join(node_ips) or "none known (pass --node-ip)"),
+        "# proxy ports are examples: each run picks free ones (see /debug/state for live ones)",
+    ]
+    for rule, why in explain(
+        ports,
+        node_ips=node_ips,
+        bind_address=config.bind_address,
+        nodeport_addresses=config.nodeport_addresses,
+    ):
+        lines.append(f"{rule}\n    # {why}")
+    return "\n".join(lines)
+
+
+def raise_nofile_limit() -> int:
+    """Raise RLIMIT_NOFILE's soft limit to the hard limit (each proxied connection needs two)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return soft
+
+
+def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+    log.info("received %s", sig.name)
+    stop.set()
+
+
+def run_loop(main: Coroutine[Any, Any, T], event_loop: str = "uvloop") -> T:
+    """Run `main` on uvloop (or plain asyncio) and return its result."""
+    factory = uvloop.new_event_loop if event_loop == "uvloop" else None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)

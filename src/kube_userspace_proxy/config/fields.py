@@ -1,0 +1,223 @@
+"""The table of settings: per ProxyConfig field, its flag and whether kube-proxy's value applies.
+
+Each row says where a setting's value may come from: this proxy's `run` flag; kube-proxy's
+flag of the same meaning, when kube-proxy has one and its value applies here; the dotted path
+in a KubeProxyConfiguration file whose value applies here. kube-proxy's other fields and flags
+are accepted and ignored with a warning (`kubeproxy.not_applicable`, `cli.IGNORED_FLAGS`).
+Help texts are the docstrings under the ProxyConfig fields (`settings.field_doc`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One setting: the ProxyConfig field `name`, set by `flag` and, if given, a file's `path`."""
+
+    flag: str
+    """This proxy's command-line flag."""
+    name: str
+    """The ProxyConfig field it sets; the docstring under that field is the flag's help."""
+    kind: str
+    """How the flag's value is read: str, duration, float, int, hex (0x1000 or 4096), csv,
+    choice or bool."""
+    unit: str = ""
+    """The unit --help names (durations name theirs)."""
+    choices: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+    """Other spellings of the flag."""
+    path: str = ""
+    """The KubeProxyConfiguration path (dotted) whose value applies here; "": none does."""
+    kube_proxy_flag: str = ""
+    """kube-proxy's flag of the same meaning, whose value applies here; "": this proxy's own."""
+
+
+RUN_FIELDS: tuple[Field, ...] = (
+    Field(
+        "--bind-address",
+        "bind_address",
+        "str",
+        "IP",
+        path="bindAddress",
+        kube_proxy_flag="--bind-address",
+    ),
+    Field(
+        "--proxy-port-range",
+        "proxy_port_range",
+        "str",
+        "range",
+        path="portRange",
+        kube_proxy_flag="--proxy-port-range",
+    ),
+    Field(
+        "--udp-timeout",
+        "udp_idle_timeout",
+        "duration",
+        path="udpIdleTimeout",
+        kube_proxy_flag="--udp-timeout",
+    ),
+    Field("--tcp-keepalive", "tcp_keepalive", "duration"),
+    Field(
+        "--iptables-sync-period",
+        "sync_period",
+        "duration",
+        path="iptables.syncPeriod",
+        kube_proxy_flag="--iptables-sync-period",
+    ),
+    Field(
+        "--iptables-min-sync-period",
+        "min_sync_period",
+        "duration",
+        path="iptables.minSyncPeriod",
+        kube_proxy_flag="--iptables-min-sync-period",
+    ),
+    Field("--iptables-verify-period", "verify_period", "duration"),
+    Field(
+        "--config-sync-period",
+        "config_sync_period",
+        "duration",
+        path="configSyncPeriod",
+        kube_proxy_flag="--config-sync-period",
+    ),
+    Field(
+        "--healthz-bind-address",
+        "healthz_bind_address",
+        "str",
+        "host:port",
+        path="healthzBindAddress",
+        kube_proxy_flag="--healthz-bind-address",
+    ),
+    Field(
+        "--metrics-bind-address",
+        "metrics_bind_address",
+        "str",
+        "host:port",
+        path="metricsBindAddress",
+        kube_proxy_flag="--metrics-bind-address",
+    ),
+    Field("--metrics-allowed-hosts", "metrics_allowed_hosts", "csv", "name list"),
+    Field(
+        "--hostname-override",
+        "hostname_override",
+        "str",
+        "name",
+        path="hostnameOverride",
+        kube_proxy_flag="--hostname-override",
+    ),
+    Field(
+        "--kubeconfig",
+        "kubeconfig",
+        "str",
+        "path",
+        path="clientConnection.kubeconfig",
+        kube_proxy_flag="--kubeconfig",
+    ),
+    Field("--master", "master", "str", "URL", kube_proxy_flag="--master"),
+    Field(
+        "--kube-api-qps",
+        "kube_api_qps",
+        "float",
+        "requests/s",
+        path="clientConnection.qps",
+        kube_proxy_flag="--kube-api-qps",
+    ),
+    Field(
+        "--kube-api-burst",
+        "kube_api_burst",
+        "int",
+        "requests",
+        path="clientConnection.burst",
+        kube_proxy_flag="--kube-api-burst",
+    ),
+    Field(
+        "--nodeport-addresses",
+        "nodeport_addresses",
+        "csv",
+        "CIDR list",
+        path="nodePortAddresses",
+        kube_proxy_flag="--nodeport-addresses",
+    ),
+    Field(
+        "--cluster-cidr",
+        "cluster_cidr",
+        "str",
+        "CIDR",
+        path="clusterCIDR",
+        kube_proxy_flag="--cluster-cidr",
+    ),
+    Field("--service-proxy-name", "service_proxy_name", "str", "name"),
+    Field(
+        "--iptables-backend", "iptables_backend", "choice", "", ("auto", "iptc", "restore", "none")
+    ),
+    Field("--node-ip", "node_ips", "csv", "IP list"),
+    Field("--event-loop", "event_loop", "choice", "", ("uvloop", "asyncio")),
+    Field(
+        "--log-format",
+        "log_format",
+        "choice",
+        "",
+        ("text", "json"),
+        ("--logging-format",),
+        path="logging.format",
+        kube_proxy_flag="--logging-format",
+    ),
+    Field(
+        "--oom-score-adj",
+        "oom_score_adj",
+        "int",
+        "-1000..1000",
+        path="oomScoreAdj",
+        kube_proxy_flag="--oom-score-adj",
+    ),
+    Field("--metrics-per-service-port", "metrics_per_service_port", "bool", "true|false"),
+    Field("--shutdown-grace", "shutdown_grace", "duration"),
+    Field("--workers", "workers", "str", "count or auto"),
+    Field("--guard-proxy-ports", "guard_proxy_ports", "bool", "true|false"),
+    Field("--state-dir", "state_dir", "str", "path"),
+    Field("--after-handover", "after_handover", "choice", "", ("exit", "wait")),
+    Field("--loopback-endpoints", "loopback_endpoints", "choice", "", ("auto", "allow", "deny")),
+    Field("--preserve-source-ip", "preserve_source_ip", "bool", "true|false"),
+    Field("--transparent-mark", "transparent_mark", "hex", "one bit, e.g. 0x1000"),
+    Field("--transparent-table", "transparent_table", "int", "table number"),
+)
+"""The `run` (and `rules`) command's setting flags, in --help order."""
+
+VERBOSITY = Field(
+    "--v",
+    "verbosity",
+    "int",
+    "count",
+    aliases=("-v",),
+    path="logging.verbosity",
+    kube_proxy_flag="--v",
+)
+"""-v/--v: declared with the logging flags, which `demo` and `cleanup` take too."""
+
+FIELDS: tuple[Field, ...] = (*RUN_FIELDS, VERBOSITY)
+"""Every setting a flag or a KubeProxyConfiguration file sets."""
+
+FILE_FIELDS: dict[str, Field] = {field.path: field for field in FIELDS if field.path}
+"""KubeProxyConfiguration paths whose values apply here -> their settings."""
+
+APPLIED_PATHS = frozenset({"apiVersion", "kind", "mode", *FILE_FIELDS})
+"""Dotted field paths that mean something to this proxy (`mode`: only userspace is served);
+every other known one is accepted and logged once as not applicable when it carries a value."""
+
+KUBE_PROXY_COMMAND_FLAGS = (
+    "--cleanup",
+    "--config",
+    "--healthz-port",
+    "--metrics-port",
+    "--write-config-to",
+)
+"""kube-proxy's flags applied here that set no field: actions, the file, deprecated ports."""
+
+KUBE_PROXY_FLAGS_APPLIED: tuple[str, ...] = tuple(
+    sorted(
+        {field.kube_proxy_flag for field in FIELDS if field.kube_proxy_flag}
+        | set(KUBE_PROXY_COMMAND_FLAGS)
+    )
+)
+"""kube-proxy's flags that this proxy applies (the rest of RUN_FIELDS are its own)."""

@@ -1,0 +1,130 @@
+"""What the proxier serves now: one `Served` per service port, the listeners it retired, and
+the descriptions of its sockets for a handover."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kube_userspace_proxy.balancer import EndpointPool, on_node, topology_mode, usable_endpoints
+from kube_userspace_proxy.dataplane import ConnStats
+from kube_userspace_proxy.model import (
+    Desired,
+    Endpoint,
+    Path,
+    ProxiedPort,
+    ServicePortInfo,
+    ServicePortName,
+)
+from kube_userspace_proxy.proxier.contracts import Listener
+from kube_userspace_proxy.restart.sockets import NodePortSocket, ProxyPortSocket, SocketDescription
+
+
+@dataclass(slots=True)
+class Served:
+    """One service port as it is served now. Mutable; private to the proxier package."""
+
+    info: ServicePortInfo
+    stats: ConnStats
+    pools: dict[Path, EndpointPool]
+    listeners: dict[Path, Listener[EndpointPool]] = field(default_factory=dict)
+    node_port_listeners: list[tuple[str, Listener[EndpointPool]]] = field(default_factory=list)
+    node_port: int = 0
+    all_endpoints: int = 0
+    topology: str = ""
+    """Which endpoints its Cluster-policy path uses (a Topology mode); "Local": no such path."""
+    endpoints: tuple[Endpoint, ...] | None = None
+    """The snapshot's endpoint tuple last applied (the state keeps it while it is unchanged)."""
+    target: ProxiedPort | None = None
+    """The rule target last built for it; None once its info or listeners changed."""
+
+    def port_of(self, path: Path) -> int:
+        listener = self.listeners.get(path) or self.listeners.get(Path.CLUSTER)
+        return listener.port if listener is not None else 0
+
+    def every_listener(self) -> Iterable[Listener[EndpointPool]]:
+        yield from self.listeners.values()
+        for _, listener in self.node_port_listeners:
+            yield listener
+
+    def rule_target(self) -> ProxiedPort:
+        """The rule target of this service port (built once per change of info or ports)."""
+        if self.target is None:
+            self.target = ProxiedPort(
+                info=self.info,
+                cluster_port=self.port_of(Path.CLUSTER),
+                external_port=self.port_of(Path.EXTERNAL),
+            )
+        return self.target
+
+    def take_endpoints(self, desired: Desired) -> None:
+        """Choose each path's usable endpoints from `desired` (traffic policy, topology) into
+        its pool, with the source policy, and let the listeners see them."""
+        info = self.info
+        endpoints = desired.endpoints_of(info.name)
+        self.endpoints = endpoints
+        self.all_endpoints = len(endpoints)
+        timeout = float(info.affinity_timeout_seconds) if info.client_ip_affinity else None
+        node_name, zone = desired.node_name, desired.node_zone
+        mode = topology_mode(endpoints, node_name, zone)
+        self.topology = "Local"
+        for path, pool in self.pools.items():
+            local = (
+                info.external_traffic_local
+                if path is Path.EXTERNAL
+                else info.internal_traffic_local
+            )
+            if not local:
+                self.topology = mode
+            usable = usable_endpoints(
+                endpoints, local_only=local, node_name=node_name, topology=mode, zone=zone
+            )
+            pool.source = desired.source  # --preserve-source-ip
+            pool.update(usable, affinity_timeout=timeout, local=on_node(usable, node_name))
+            pool.proxy_protocol = info.proxy_protocol
+        for listener in self.every_listener():
+            listener.refresh()
+
+
+class Retired:
+    """Listeners closed (no new connections) whose open connections may still run."""
+
+    def __init__(self) -> None:
+        self._closing: set[asyncio.Task[None]] = set()
+        self._listeners: list[Listener[EndpointPool]] = []
+
+    def close_later(self, listener: Listener[EndpointPool]) -> None:
+        """Stop accepting now; the connections already open finish on their own."""
+        task = asyncio.get_running_loop().create_task(listener.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        self._listeners = [old for old in self._listeners if old.active_connections]
+        self._listeners.append(listener)
+
+    async def closed(self) -> list[Listener[EndpointPool]]:
+        """Wait for the closes under way; the retired listeners (to drain at shutdown)."""
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+        return list(self._listeners)
+
+    def clear(self) -> None:
+        self._listeners.clear()
+
+
+def handover_sockets(
+    served_ports: Mapping[ServicePortName, Served],
+) -> list[tuple[SocketDescription, int]]:
+    """(description, descriptor) of every open socket of `served_ports`, to hand over."""
+    out: list[tuple[SocketDescription, int]] = []
+    for name, served in served_ports.items():
+        protocol = str(name.protocol)
+        for path, listener in served.listeners.items():
+            if listener.fileno() >= 0:
+                port = ProxyPortSocket(str(name), protocol, str(path))
+                out.append((port, listener.fileno()))
+        for address, listener in served.node_port_listeners:
+            if listener.fileno() >= 0:
+                node_port = NodePortSocket(protocol, address, served.node_port)
+                out.append((node_port, listener.fileno()))
+    return out
