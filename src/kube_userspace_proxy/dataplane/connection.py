@@ -413,7 +413,7 @@ class Connection(asyncio.Protocol):
                 _peer(b.transport),
             )
         if self.shared.picker.proxy_protocol:
-            self._send_proxy_header(b)
+            b.transport.write(_proxy_header(self))
         pending = self.pending
         self.pending = None
         if pending:
@@ -428,16 +428,6 @@ class Connection(asyncio.Protocol):
                 return
         if not b.write_paused and not self.transport.is_closing():
             self.transport.resume_reading()
-
-    def _send_proxy_header(self, b: BackendSide) -> None:
-        """The PROXY protocol header goes first, always: the backend learns who the client is.
-
-        The client is named by the address accept() returned: a client that reset meanwhile
-        has no peer address any more, and its bytes must never reach the backend unheaded.
-        """
-        sock = self.transport.get_extra_info("socket")
-        version = self.shared.picker.proxy_protocol
-        b.transport.write(proxyproto.for_connection(version, sock, (self.peer[0], self.peer[1])))
 
     # --- ending
 
@@ -592,6 +582,18 @@ def set_options(transport: asyncio.BaseTransport, options: SocketOptions) -> Non
                 sock.setsockopt(level, option, value)
         except OSError as exc:  # the socket is already closing: nothing to keep alive
             log.debug("cannot set socket options: %r", exc)
+
+
+def _proxy_header(conn: Connection) -> bytes:
+    """The PROXY protocol header, which goes first, always: the backend learns who the client is.
+
+    The client is named by the address accept() returned: a client that reset meanwhile has no
+    peer address any more, and its bytes must never reach the backend unheaded. A transparent
+    dial (--preserve-source-ip) names the same address.
+    """
+    sock = conn.transport.get_extra_info("socket")
+    version = conn.shared.picker.proxy_protocol
+    return proxyproto.for_connection(version, sock, (conn.peer[0], conn.peer[1]))
 
 
 def _reset(transport: Any) -> None:
