@@ -1,4 +1,5 @@
-"""Suite-wide rules: under CI=true a skipped integration test is a failure."""
+"""Suite-wide rules: under CI=true a skipped integration test is a failure; every test stops
+the log writer thread it started (`logs.setup`, as `cli.main` calls it)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 from collections.abc import Iterator
 
 import pytest
+
+from kube_userspace_proxy import logs
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
@@ -18,6 +21,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     if IN_CI and report.skipped and "integration" in item.keywords:
         report.outcome = "failed"
         report.longrepr = f"integration test skipped under CI=true: {report.longrepr}"
+
+
+@pytest.fixture(autouse=True)
+def package_logger_restored() -> Iterator[None]:
+    """Put the package logger back as the test found it, stopping any writer thread it
+    started: a writer left behind would write to the stderr pytest captured for a test that
+    has ended ("--- Logging error --- ValueError: I/O operation on closed file")."""
+    logger = logging.getLogger(logs.LOGGER_NAME)
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    yield
+    if logger.handlers != handlers:
+        logs.stop()
+        for handler in list(logger.handlers):
+            if handler not in handlers:
+                logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 @pytest.fixture

@@ -119,7 +119,7 @@ def ips_of(snapshot: Snapshot, name: str, namespace: str = "default") -> set[str
 
 
 async def eventually(
-    check: Callable[[], Any], *, timeout: float = 5.0, what: str = "condition"
+    check: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition"
 ) -> Any:
     """Poll `check` until it returns something truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -222,7 +222,9 @@ async def start_source(kubeconfig: str) -> AsyncIterator[StartSource]:
         watching = Watching(state, source, task, changes)
         running.append(watching)
         if wait_listed:
-            await eventually(lambda: state.listed, what="both lists")
+            # Generous: a list of thousands of objects (under tracemalloc, on a busy machine)
+            # takes a while; this waits for progress, it bounds nothing.
+            await eventually(lambda: state.listed, timeout=120, what="both lists")
         return watching
 
     yield start
@@ -230,5 +232,5 @@ async def start_source(kubeconfig: str) -> AsyncIterator[StartSource]:
         watching.task.cancel()
     for watching in running:
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(watching.task, 5)
+            await asyncio.wait_for(watching.task, 30)
         assert watching.task.cancelled(), "KubeSource.run() ended on its own"

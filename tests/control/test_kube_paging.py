@@ -23,7 +23,7 @@ def _slice(i: int) -> dict[str, object]:
     return endpoint_slice(f"svc-{i}-a", f"svc-{i}", ips)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 async def test_a_list_of_5000_slices_never_holds_every_raw_page(
     apiserver: FakeApiServer, start_source: StartSource
 ) -> None:

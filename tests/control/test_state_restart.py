@@ -112,7 +112,7 @@ async def test_a_restart_during_an_api_outage_serves_from_the_state_file(
                 (saved := statefile.load(str(state), node_name=NODE, loopback=True)) is not None
                 and len(saved[0].services) == len(NAMES)
             ),
-            timeout=5,
+            timeout=30,
             what="the state file",
         )
 
@@ -122,7 +122,7 @@ async def test_a_restart_during_an_api_outage_serves_from_the_state_file(
         began = time.monotonic()
         await proxy.start()
         answered: dict[str, float] = {}
-        while len(answered) < len(NAMES) and time.monotonic() - began < 10:
+        while len(answered) < len(NAMES) and time.monotonic() - began < 60:
             for name in NAMES:
                 if name not in answered and await _answers(first[name]) == f"pod-{name}":
                     answered[name] = time.monotonic() - began
@@ -133,9 +133,11 @@ async def test_a_restart_during_an_api_outage_serves_from_the_state_file(
         imports = proxy.running_at - began
         served = {name: round(t - imports, 3) for name, t in answered.items()}
         print(f"restart: imports {imports:.3f}s, then answered after {served}")
-        assert max(served.values()) < 1.0, (imports, served)
+        # Within 1 s on an idle machine; on a busy one, within twice what its imports took
+        # (they measure the CPU this process gets now: 0.5 s idle, 1.4 s beside two hogs).
+        assert max(served.values()) < max(1.0, 2 * imports), (imports, served)
         # The same proxy ports as before the restart.
-        await eventually(lambda: proxy.ports == first, timeout=2, what="the same ports")
+        await eventually(lambda: proxy.ports == first, timeout=30, what="the same ports")
 
         # The API server returns with a change made meanwhile: the proxy catches up.
         [(name, port, _)] = extra = await start_named_backends(["pod-web-2"])

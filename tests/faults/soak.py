@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import itertools
 import json
 import os
@@ -178,7 +179,9 @@ async def run(
         while len(ports) < len(STABLE):
             assert proc.returncode is None, "the proxy exited"
             assert time.monotonic() < deadline, "the stable Services were never served"
-            with contextlib.suppress(OSError, ValueError):
+            # HTTPException: on a shared machine another process may hold the port for a
+            # moment before the proxy binds it (one answered "pod-b").
+            with contextlib.suppress(OSError, ValueError, http.client.HTTPException):
                 state = await asyncio.to_thread(
                     _get_json, f"http://127.0.0.1:{metrics_port}/debug/state"
                 )

@@ -23,5 +23,7 @@ async def test_stable_services_never_fail_and_the_footprint_stays_flat(tmp_path:
     assert result.api_restarts >= 2 and result.backend_kills >= 8
     assert result.failures == [], f"{len(result.failures)} failed: {result.failures[:5]}"
     rss_drift, fd_drift = result.drift()
-    assert abs(rss_drift) <= 0.05, result.report()
-    assert abs(fd_drift) <= 0.05, result.report()
+    # Leak checks: growth fails, a footprint that shrinks (connections of the warm-up window
+    # finishing on a busy machine: descriptors 55 -> 40) does not.
+    assert rss_drift <= 0.05, result.report()
+    assert fd_drift <= 0.05, result.report()

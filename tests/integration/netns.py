@@ -222,7 +222,7 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
             proc.wait(timeout)
 
 
-def wait_for(check: object, what: str, timeout: float = 15.0, interval: float = 0.05) -> None:
+def wait_for(check: object, what: str, timeout: float = 60.0, interval: float = 0.05) -> None:
     """Poll `check()` until it is truthy; fail naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     last: BaseException | None = None

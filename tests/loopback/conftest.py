@@ -44,7 +44,7 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
 
 
 async def _eventually(
-    check: Callable[[], bool], *, timeout: float = 5.0, what: str = "condition"
+    check: Callable[[], bool], *, timeout: float = 30.0, what: str = "condition"
 ) -> None:
     """Poll `check` until it is true; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -56,7 +56,7 @@ async def _eventually(
 
 @pytest.fixture
 def eventually() -> Callable[..., Awaitable[None]]:
-    """`await eventually(check, timeout=5, what="...")`: poll until true or fail."""
+    """`await eventually(check, timeout=30, what="...")`: poll until true or fail."""
     return _eventually
 
 

@@ -101,7 +101,7 @@ def write_manifests(path: Path, objects: Iterable[dict[str, Any]]) -> None:
     tmp.replace(path)
 
 
-async def wait_for(predicate: Callable[[], Any], seconds: float = 5.0, what: str = "") -> Any:
+async def wait_for(predicate: Callable[[], Any], seconds: float = 30.0, what: str = "") -> Any:
     """Poll `predicate` until it returns something truthy or the deadline passes."""
     deadline = time.monotonic() + seconds
     while True:

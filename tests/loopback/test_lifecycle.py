@@ -36,7 +36,7 @@ def test_the_demo_prints_the_spread_and_exits_0() -> None:
     assert "KUBE-PORTALS-CONTAINER" in out and "--dport 30080" in out
 
 
-async def wait_refused(port: int, seconds: float = 5.0) -> None:
+async def wait_refused(port: int, seconds: float = 30.0) -> None:
     """Poll until a new connection to `port` is refused."""
     deadline = time.monotonic() + seconds
     while True:

@@ -66,7 +66,7 @@ def names(state: ClusterState) -> set[str]:
     return {str(n) for n in state.snapshot().services}
 
 
-async def eventually(check: Callable[[], bool], what: str, timeout: float = 2.0) -> None:
+async def eventually(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:

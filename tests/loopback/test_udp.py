@@ -37,7 +37,7 @@ class Client(asyncio.DatagramProtocol):
         assert self.transport is not None
         self.transport.sendto(data, (host, port))
 
-    async def receive(self, timeout: float = 5.0) -> tuple[bytes, tuple[str, int]]:
+    async def receive(self, timeout: float = 30.0) -> tuple[bytes, tuple[str, int]]:
         return await asyncio.wait_for(self.inbox.get(), timeout)
 
     def close(self) -> None:
@@ -111,7 +111,7 @@ async def test_session_expires_after_idle_timeout(
     await client.receive()
     last_packet = time.monotonic()
     assert listener.active_connections == stats.udp_sessions_active == 1
-    await eventually(lambda: listener.active_connections == 0, timeout=2, what="expiry")
+    await eventually(lambda: listener.active_connections == 0, timeout=30, what="expiry")
     assert time.monotonic() - last_packet >= 0.2  # default idle timeout 0.25 s
     assert (stats.udp_sessions_active, stats.udp_sessions_total) == (0, 1)
 

@@ -92,10 +92,23 @@ def test_without_nat_the_original_destination_is_the_local_address(family: int) 
         server.bind((host, 0))
         server.listen(1)
         with socket.create_connection(server.getsockname()[:2]) as client:
-            accepted, _ = server.accept()
+            accepted, peer = server.accept()
             with accepted:
                 assert proxyproto.original_destination(accepted) == server.getsockname()[:2]
-                head = proxyproto.for_connection(2, accepted)
+                head = proxyproto.for_connection(2, accepted, peer[:2])
                 parsed = parse_v2(head)
                 assert (parsed["src"], parsed["sport"]) == client.getsockname()[:2]
                 assert (parsed["dst"], parsed["dport"]) == server.getsockname()[:2]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_socket_that_cannot_say_where_it_was_sent_gets_the_unknown_header(
+    version: int,
+) -> None:
+    closed = socket.socket()
+    closed.close()  # getsockname/getsockopt now fail, as on a client gone mid-dial
+    head = proxyproto.for_connection(version, closed, ("10.244.1.10", 5))
+    if version == 1:
+        assert head == b"PROXY UNKNOWN\r\n"
+    else:  # LOCAL, AF_UNSPEC, no address block
+        assert head == proxyproto.V2_SIGNATURE + bytes([0x20, 0x00, 0, 0])

@@ -223,6 +223,7 @@ async def _start_ops(proxy: Proxy, taken: handover.Taken | None = None) -> None:
         rules=proxy.counted_rules,
         planned=proxy.planned_rules,
         adopted=adopted,
+        allowed_hosts=config.metrics_allowed_hosts,
     )
     used = {id(sock) for _, sock in proxy.ops.listening}
     for sock in adopted.values():

@@ -49,6 +49,8 @@ class BoundedFrequencyRunner:
         self._refilled = clock()
         self.runs = 0
         self.failures = 0
+        self.held = 0
+        """Requested syncs that waited for a token: held back by `min_interval`."""
         self.periodic = True
         """True while `fn` runs for the periodic resync (or a retry), not for a request."""
 
@@ -68,6 +70,7 @@ class BoundedFrequencyRunner:
         """Wait until a sync is allowed, then spend one."""
         self._refill()
         if self._tokens < 1:
+            self.held += 1
             await asyncio.sleep((1 - self._tokens) * self._min)
             self._refill()
         self._tokens = max(0.0, self._tokens - 1)

@@ -97,6 +97,7 @@ RUN_FIELDS: tuple[Field, ...] = (
         path="metricsBindAddress",
         kube_proxy_flag="--metrics-bind-address",
     ),
+    Field("--metrics-allowed-hosts", "metrics_allowed_hosts", "csv", "name list"),
     Field(
         "--hostname-override",
         "hostname_override",

@@ -133,6 +133,9 @@ class ProxyConfig(BaseModel):
     """host:port of /healthz and /livez; empty disables."""
     metrics_bind_address: str = "127.0.0.1:10249"
     """host:port of /metrics, /proxyMode, /configz and /debug/state; empty disables."""
+    metrics_allowed_hosts: tuple[str, ...] = ()
+    """Host names the metrics site answers to besides IP literals and localhost (others get
+    421, so a web page cannot read /debug/state through DNS rebinding)."""
     hostname_override: str = ""
     """This node's name; default: $NODE_NAME, then the hostname."""
     kubeconfig: str = ""

@@ -190,6 +190,7 @@ class Connection(asyncio.Protocol):
         "fds",
         "in_done",
         "out_done",
+        "peer",
         "pending",
         "pending_size",
         "pump_in",
@@ -222,10 +223,12 @@ class Connection(asyncio.Protocol):
         self.pump_out: splicing.SplicePump | None = None
         self.fds: tuple[int, int] | None = None
         self.ep: Tally = _NO_TALLY  # the endpoint's counters, once dialed
+        self.peer: tuple[Any, ...] = ("", 0)  # the client, as accept() returned it
 
-    def start(self, sock: socket.socket, client_ip: str) -> None:
-        """Serve an accepted client socket: one task wraps it in a transport, then dials."""
-        self.dial = self.shared.loop.create_task(self._serve(sock, client_ip))
+    def start(self, sock: socket.socket, peer: tuple[Any, ...]) -> None:
+        """Serve an accepted client socket from `peer` (accept()'s address): wrap it, then dial."""
+        self.peer = peer
+        self.dial = self.shared.loop.create_task(self._serve(sock, peer[0]))
 
     def __call__(self) -> Connection:
         return self  # its own protocol factory, as BackendSide
@@ -410,7 +413,7 @@ class Connection(asyncio.Protocol):
                 _peer(b.transport),
             )
         if self.shared.picker.proxy_protocol:
-            self._send_proxy_header(b)
+            b.transport.write(_proxy_header(self))
         pending = self.pending
         self.pending = None
         if pending:
@@ -425,16 +428,6 @@ class Connection(asyncio.Protocol):
                 return
         if not b.write_paused and not self.transport.is_closing():
             self.transport.resume_reading()
-
-    def _send_proxy_header(self, b: BackendSide) -> None:
-        """The PROXY protocol header goes first: the backend learns who the client is."""
-        sock = self.transport.get_extra_info("socket")
-        try:
-            head = proxyproto.for_connection(self.shared.picker.proxy_protocol, sock)
-        except (OSError, AttributeError, ValueError) as exc:  # the client is already gone
-            log.debug("%s: no PROXY header: %r", self.settings.name, exc)
-            return
-        b.transport.write(head)
 
     # --- ending
 
@@ -589,6 +582,18 @@ def set_options(transport: asyncio.BaseTransport, options: SocketOptions) -> Non
                 sock.setsockopt(level, option, value)
         except OSError as exc:  # the socket is already closing: nothing to keep alive
             log.debug("cannot set socket options: %r", exc)
+
+
+def _proxy_header(conn: Connection) -> bytes:
+    """The PROXY protocol header, which goes first, always: the backend learns who the client is.
+
+    The client is named by the address accept() returned: a client that reset meanwhile has no
+    peer address any more, and its bytes must never reach the backend unheaded. A transparent
+    dial (--preserve-source-ip) names the same address.
+    """
+    sock = conn.transport.get_extra_info("socket")
+    version = conn.shared.picker.proxy_protocol
+    return proxyproto.for_connection(version, sock, (conn.peer[0], conn.peer[1]))
 
 
 def _reset(transport: Any) -> None:

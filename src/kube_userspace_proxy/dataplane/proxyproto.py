@@ -6,6 +6,11 @@ of the first byte of every connection instead: the client's address and port, an
 address and port the client dialed (the ClusterIP, NodePort or external IP before iptables
 rewrote it, read from conntrack with SO_ORIGINAL_DST), so the backend can log or filter on
 them. Built once per connection, after the dial succeeded; TCP only.
+
+The client's address is the one accept() returned, never read back from the socket later: a
+client that resets while the dial runs leaves a socket with no peer, and forwarding its bytes
+without a header would let it write the header itself. Where the destination cannot be read
+either, the header says so (`PROXY UNKNOWN`, v2 LOCAL), as HAProxy's does.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ SO_ORIGINAL_DST = 80
 """linux/netfilter_ipv4.h; IP6T_SO_ORIGINAL_DST (linux/netfilter_ipv6/ip6_tables.h) is 80 too."""
 V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
 _V2_PROXY = 0x21  # version 2, command PROXY
+_V2_LOCAL = 0x20  # version 2, command LOCAL: the receiver uses the connection's own addresses
+_V2_UNSPEC = 0x00  # AF_UNSPEC, UNSPEC
 _V2_TCP4 = 0x11  # AF_INET, STREAM
 _V2_TCP6 = 0x21  # AF_INET6, STREAM
 _MAPPED = "::ffff:"
@@ -68,10 +75,22 @@ def header(version: int, client: Address, destination: Address) -> bytes:
     )
 
 
-def for_connection(version: int, sock: Any) -> bytes:
-    """The header for the accepted socket `sock`: its peer, and its original destination."""
-    peer = sock.getpeername()
-    return header(version, (peer[0], peer[1]), original_destination(sock))
+def unknown(version: int) -> bytes:
+    """The header that names no addresses: v1 `PROXY UNKNOWN`, v2 LOCAL with no address block."""
+    if version == 1:
+        return b"PROXY UNKNOWN\r\n"
+    return V2_SIGNATURE + struct.pack("!BBH", _V2_LOCAL, _V2_UNSPEC, 0)
+
+
+def for_connection(version: int, sock: Any, client: Address) -> bytes:
+    """The header for the accepted socket `sock` from `client` (the address accept() returned).
+
+    `PROXY UNKNOWN` / LOCAL when the socket can no longer say where it was sent.
+    """
+    try:
+        return header(version, client, original_destination(sock))
+    except (OSError, AttributeError, ValueError):  # the socket is gone, or an odd address
+        return unknown(version)
 
 
 def _same_family(src: str, dst: str) -> tuple[str, str]:

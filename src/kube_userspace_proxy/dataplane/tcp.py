@@ -278,7 +278,7 @@ class TcpListener:
                 log.warning("%s: accept failed: %s", self.name, exc)
                 return
             sock = socket.socket(family, socket.SOCK_STREAM, 0, fd)
-            Connection(settings, shared).start(sock, address[0])
+            Connection(settings, shared).start(sock, address)
 
     def _pause_accepting(self, lsock: socket.socket) -> None:
         # Level-triggered readiness would call _accept again at once: stop watching the

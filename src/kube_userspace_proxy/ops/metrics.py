@@ -343,6 +343,7 @@ class ProxyMetrics:
         self._source: SourceCounters | None = None
         base.register(_SourceCollector(self))
         self._workers: WorkerCounters | None = None
+        self._sites: Collector | None = None
         base.register(_WorkerCollector(self))
         self._flows: FlowCounters | None = None
         base.register(_FlowCollector(self))
@@ -406,6 +407,12 @@ class ProxyMetrics:
     def follow_source(self, source: SourceCounters) -> None:
         """Export the API source's own counters (read at scrape time)."""
         self._source = source
+
+    def follow_sites(self, sites: Collector) -> None:
+        """Export the ops sites' bounds and counters (read at scrape time); once."""
+        if self._sites is None:
+            self._sites = sites
+            self._base.register(sites)
 
     def follow_flows(self, flows: FlowCounters | None) -> None:
         """Export the stale-UDP-flow cleaner's counters (read at scrape time)."""

@@ -3,6 +3,9 @@
 Health site (`--healthz-bind-address`, default 0.0.0.0:10256): `/healthz`, `/livez`.
 Metrics site (`--metrics-bind-address`, default 127.0.0.1:10249): `/metrics`, `/proxyMode`,
 `/healthz` (a plain "ok": the metrics server is up), `/configz`, `/debug/state`, `/debug/ui`.
+It answers only requests whose `Host` is an IP literal, `localhost` or a name given with
+`--metrics-allowed-hosts` (421 otherwise, as Prometheus's and Grafana's servers refuse
+foreign names): a web page that rebinds its own name to 127.0.0.1 cannot read the state.
 """
 
 from __future__ import annotations
@@ -22,16 +25,20 @@ from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import ConfigError, PortInUseError
 from kube_userspace_proxy.ops.debugui import DebugUi, PlannedRules, RuleSource
 from kube_userspace_proxy.ops.health import ProxyHealth
-from kube_userspace_proxy.ops.httpguard import GuardedSite
+from kube_userspace_proxy.ops.httpguard import TALLIES, GuardedSite, SiteCollector, SiteTally
 from kube_userspace_proxy.ops.metrics import CONTENT_TYPE, ProxyMetrics
 
 log = logs.get(__name__)
 
 PROXY_MODE = "userspace"
+HTTP_MISDIRECTED = 421
 HEALTHZ_FLAG = "--healthz-bind-address"
 METRICS_FLAG = "--metrics-bind-address"
 DEFAULT_HEALTHZ_PORT = 10256
 DEFAULT_METRICS_PORT = 10249
+HEALTHZ_SITE = "healthz"
+METRICS_SITE = "metrics"
+"""The sites' names in the ops connection metrics (`site` label)."""
 
 _NOSNIFF = {"X-Content-Type-Options": "nosniff"}
 _pretty = functools.partial(json.dumps, indent=2, sort_keys=True, default=str)
@@ -129,14 +136,15 @@ class OpsServer:
     def metrics_port(self) -> int | None:
         return self.metrics_address[1] if self.metrics_address else None
 
-    async def serve(self, app: web.Application, sock: socket.socket) -> tuple[str, int]:
-        """Serve `app` on a listening socket (owned from now on); returns the bound address."""
+    async def serve(self, app: web.Application, sock: socket.socket, kind: str) -> tuple[str, int]:
+        """Serve `app` on a listening socket (owned from now on) as the site `kind` (its name in
+        the metrics); returns the bound address."""
         # Probes and scrapers keep connections alive: do not wait long for them on close.
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         self._runners.append(runner)
         bound: tuple[str, int] = sock.getsockname()[:2]
-        site = GuardedSite(runner, sock)
+        site = GuardedSite(runner, sock, kind=kind)
         await site.start()
         self.sites.append(site)
         return bound
@@ -217,6 +225,50 @@ async def _as_dict(state: StateView, limit: int | None = None) -> dict[str, Any]
 _entry = functools.partial(json.dumps, sort_keys=True, default=str)
 
 
+def host_allowed(host: str | None, names: frozenset[str]) -> bool:
+    """Whether a `Host` header names this server: an IP literal, localhost or one of `names`
+    (lower case, no trailing dot). No header at all (HTTP/1.0) is no browser's: allowed."""
+    if host is None:
+        return True
+    name = host.strip()
+    if name.startswith("["):  # [v6] or [v6]:port
+        end = name.find("]")
+        literal = name[1:end] if end > 0 else ""
+        return _is_ip(literal) and (end + 1 == len(name) or name[end + 1] == ":")
+    if name.count(":") == 1:
+        name = name.split(":")[0]
+    name = name.rstrip(".").lower()
+    return name == "localhost" or name in names or _is_ip(name)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _host_check(names: Iterable[str], tally: SiteTally) -> Any:
+    """Middleware: 421 for a request whose Host names some other server."""
+    allowed = frozenset(n.rstrip(".").lower() for n in names)
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if not host_allowed(request.headers.get("Host"), allowed):
+            tally.wrong_host += 1
+            return web.Response(
+                status=HTTP_MISDIRECTED,
+                text="this server answers to IP addresses, localhost and "
+                "--metrics-allowed-hosts only\n",
+                headers=_NOSNIFF,
+            )
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return check
+
+
 def _metrics_app(
     metrics: ProxyMetrics,
     debug_state: StateSource,
@@ -225,6 +277,7 @@ def _metrics_app(
     *,
     rules: RuleSource | None = None,
     planned: PlannedRules | None = None,
+    allowed_hosts: Iterable[str] = (),
 ) -> web.Application:
     async def scrape(_: web.Request) -> web.Response:
         await collect()
@@ -252,7 +305,8 @@ def _metrics_app(
         await collect(debug=True)
         return await stream_state(request, debug_state())
 
-    app = web.Application()
+    tally = TALLIES.setdefault(METRICS_SITE, SiteTally())
+    app = web.Application(middlewares=[_host_check(allowed_hosts, tally)])
     app.router.add_get("/metrics", scrape)
     app.router.add_get("/proxyMode", proxy_mode)
     app.router.add_get("/healthz", ping)
@@ -274,11 +328,13 @@ async def start_ops(
     rules: RuleSource | None = None,
     planned: PlannedRules | None = None,
     adopted: Mapping[tuple[str, int], socket.socket] | None = None,
+    allowed_hosts: Iterable[str] = (),
 ) -> OpsServer:
     """Bind and start both sites; raises PortInUseError or ConfigError before serving anything.
 
     `adopted`: listening sockets a process this one replaces handed over, by the address it
     was configured with; a site whose address (with a fixed port) is among them serves it.
+    `allowed_hosts`: names the metrics site answers to besides IP literals and localhost.
     """
     healthz_at = parse_bind_address(
         healthz_bind, default_port=DEFAULT_HEALTHZ_PORT, flag=HEALTHZ_FLAG
@@ -286,6 +342,7 @@ async def start_ops(
     metrics_at = parse_bind_address(
         metrics_bind, default_port=DEFAULT_METRICS_PORT, flag=METRICS_FLAG
     )
+    metrics.follow_sites(SiteCollector())
     # Bind both first, so a taken port fails the start before anything is served.
     sockets: list[socket.socket] = []
     server = OpsServer()
@@ -306,11 +363,19 @@ async def start_ops(
         pending = iter(sockets)
         if healthz_at is not None:
             app = _health_app(health, metrics)
-            server.healthz_address = await server.serve(app, next(pending))
+            server.healthz_address = await server.serve(app, next(pending), HEALTHZ_SITE)
             log.info("Serving /healthz and /livez on %s", _show(server.healthz_address))
         if metrics_at is not None:
-            app = _metrics_app(metrics, debug_state, configz, collect, rules=rules, planned=planned)
-            server.metrics_address = await server.serve(app, next(pending))
+            app = _metrics_app(
+                metrics,
+                debug_state,
+                configz,
+                collect,
+                rules=rules,
+                planned=planned,
+                allowed_hosts=allowed_hosts,
+            )
+            server.metrics_address = await server.serve(app, next(pending), METRICS_SITE)
             log.info("Serving /metrics and /proxyMode on %s", _show(server.metrics_address))
     except BaseException:
         await server.close()

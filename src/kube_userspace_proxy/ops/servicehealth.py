@@ -5,6 +5,10 @@ node proxy answers whether it has local endpoints: cloud load balancers send tra
 nodes that answer 200. Every path answers, with kube-proxy's JSON body:
 `{"service": {"namespace", "name"}, "localEndpoints": N, "serviceProxyHealthy": bool}`;
 200 while N > 0 and the proxy is healthy, else 503.
+
+These servers listen on node addresses that load balancers reach from outside the cluster:
+they get the ops sites' bounds (httpguard: header and idle timeouts, caps per client address
+and per server), so idle connections can neither pile up nor crowd out a prober.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from aiohttp import web
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.model import Change, ServicePortInfo, ServicePortName, Snapshot
 from kube_userspace_proxy.ops.health import HTTP_OK, HTTP_UNAVAILABLE, ProxyHealth
+from kube_userspace_proxy.ops.httpguard import GuardedSite
 from kube_userspace_proxy.restart.sockets import HealthSocket, SocketDescription
 
 log = logs.get(__name__)
 
 ServiceName = tuple[str, str]  # (namespace, name)
+SITE_KIND = "service-health"
+"""These servers' name in the ops connection metrics (`site` label)."""
 
 
 @dataclass
@@ -181,7 +188,7 @@ class ServiceHealthServers:
                 runner = web.AppRunner(self._app(instance), access_log=None, shutdown_timeout=0.5)
                 await runner.setup()
                 instance.runners.append(runner)
-                await web.SockSite(runner, sock).start()
+                await GuardedSite(runner, sock, kind=SITE_KIND).start()
         except BaseException:
             await _close(instance)
             raise
