@@ -492,5 +492,15 @@ def _cleanup() -> int:
 
 
 def _print_rules(config: ProxyConfig) -> int:
-    print(app.run_loop(app.rules_text(config), config.event_loop))
+    try:
+        text = app.run_loop(app.rules_text(config), config.event_loop)
+    except ConfigError as exc:
+        if config.manifests:
+            raise
+        # Without --manifests, `rules` reads the API server as `run` does: say the other way.
+        raise type(exc)(
+            f"{exc}\n  without a cluster, read Services and EndpointSlices from YAML: "
+            f"{PROG} rules --manifests FILE_OR_DIR"
+        ) from exc
+    print(text)
     return 0
