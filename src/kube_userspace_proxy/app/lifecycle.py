@@ -91,7 +91,11 @@ async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> 
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.remove_signal_handler(sig)
-    log.info("stopped (rules left in place; `kube-userspace-proxy cleanup` removes them)")
+    if proxy.portals is not None and proxy.portals.rule_counts():
+        # Left so that traffic waits for the next process (or a handover) instead of failing.
+        log.info("stopped (rules left in place; `kube-userspace-proxy cleanup` removes them)")
+    else:
+        log.info("stopped (this process installed no iptables rules)")
     return 0 if outcome == "stopped" else 1
 
 
