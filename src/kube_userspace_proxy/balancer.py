@@ -88,6 +88,39 @@ def usable_endpoints(
     return tuple(e for e in endpoints if e.serving and e.terminating)
 
 
+def unused_endpoints(
+    endpoints: Sequence[Endpoint],
+    *,
+    local_only: bool,
+    node_name: str | None,
+    topology: Topology = Topology.ALL,
+    zone: str = "",
+) -> list[tuple[Endpoint, str]]:
+    """(endpoint, why) for each endpoint `usable_endpoints` (same arguments) leaves out."""
+    used = set(
+        usable_endpoints(
+            endpoints, local_only=local_only, node_name=node_name, topology=topology, zone=zone
+        )
+    )
+    out = []
+    for e in endpoints:
+        if e in used:
+            continue
+        if local_only and (node_name is None or e.node_name != node_name):
+            where = f"on node {e.node_name}" if e.node_name else "on no node named"
+            why = f"{where}, not this one, under traffic policy Local"
+        elif e.terminating:
+            why = "terminating" + ("; used only while no endpoint is ready" if e.serving else "")
+        elif not e.ready:
+            why = "not ready"
+        elif topology is Topology.SAME_NODE:
+            why = f"its topology hints (forNodes) do not name this node {node_name}"
+        else:
+            why = f"its topology hints (forZones) do not name this node's zone {zone}"
+        out.append((e, why))
+    return out
+
+
 def on_node(endpoints: Sequence[Endpoint], node_name: str | None) -> frozenset[Address]:
     """The addresses of the endpoints that run on `node_name` (none when it is unknown)."""
     if node_name is None:

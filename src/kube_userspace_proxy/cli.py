@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -10,12 +11,7 @@ from typing import Any, NoReturn
 import yaml
 
 from kube_userspace_proxy import __version__, app, demo, logs
-from kube_userspace_proxy.config.fields import (
-    KUBE_PROXY_FLAGS_APPLIED,
-    RUN_FIELDS,
-    VERBOSITY,
-    Field,
-)
+from kube_userspace_proxy.config.fields import FIELDS, KUBE_PROXY_FLAGS_APPLIED, Field
 from kube_userspace_proxy.config.kubeproxy import (
     DEFAULT_HEALTHZ_PORT,
     DEFAULT_METRICS_PORT,
@@ -50,6 +46,19 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
         raise SystemExit(EXIT_USAGE)
+
+    def format_help(self) -> str:
+        """What the command does first, then its usage and flags (as kube-proxy's --help)."""
+        formatter = self._get_formatter()
+        formatter.add_text(self.description)
+        formatter.add_usage(self.usage, self._actions, self._mutually_exclusive_groups)
+        for group in self._action_groups:
+            formatter.start_section(group.title)
+            formatter.add_text(group.description)
+            formatter.add_arguments(group._group_actions)
+            formatter.end_section()
+        formatter.add_text(self.epilog)
+        return formatter.format_help()
 
 
 def _duration(text: str) -> float:
@@ -155,105 +164,175 @@ def _ignored_dest(flag: str) -> str:
     return "ignored_" + flag[2:].replace("-", "_")
 
 
-def _default_text(flag: Field) -> str:
+TYPE_WORDS = {
+    "str": "string",
+    "choice": "string",
+    "duration": "duration",
+    "float": "float",
+    "int": "int",
+    "hex": "int",
+    "csv": "strings",
+    "bool": "",
+    "ipport": "ipport",
+    "port-range": "port-range",
+}
+"""kube-proxy's (pflag's) word for each kind of value, shown after the flag; none for a bool."""
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "str": str,
+    "choice": str,
+    "duration": _duration,
+    "float": float,
+    "int": int,
+    "hex": lambda text: int(text, 0),  # 0x1000 or 4096
+    "csv": _csv,
+    "bool": _bool,
+    "ipport": str,
+    "port-range": str,
+}
+
+DESCRIPTIONS = {
+    "run": "Run the proxy: watch Services and EndpointSlices (from the API server, or from "
+    "--manifests), open a proxy port per service port, and install the iptables rules that "
+    "send each ClusterIP, NodePort, externalIP and load-balancer IP there. The default "
+    "command: kube-proxy's command line works as it is.",
+    "rules": "Print the iptables rules `run` would install for the Services and EndpointSlices "
+    "it would see, each with a one-line explanation; then, per service port, the endpoints the "
+    "proxy itself would use and not use (and why), and every object it ignored and why. "
+    "Installs nothing and needs no root. Without a cluster, pass --manifests (the YAML "
+    "`kubectl apply -f` takes); otherwise it reads the API server as `run` does. It accepts "
+    "every flag of `run`, so a node's command line can be pasted; those listed here change "
+    "what it prints.",
+    "demo": "Serve the bundled example Services to three local backends and show how the "
+    "connections spread (round robin, session affinity, UDP), then the rules that would "
+    "capture them. No cluster, no root, no rules installed.",
+    "cleanup": "Remove every chain and jump this proxy installed (legacy and nft tables), then "
+    "exit; needs root. `run` leaves its rules in place when it stops, so that traffic waits "
+    "for the next process instead of failing; this takes them away.",
+}
+"""What each command does: the first thing its --help says."""
+
+
+def _go_default(flag: Field) -> str:
+    """The default as kube-proxy's --help spells it: `true`, `250ms`, `"auto"`, `[]`."""
     value = getattr(DEFAULTS, flag.name)
     if flag.kind == "duration":
         return format_duration(value)
     if flag.kind == "hex":
         return hex(value)
+    if flag.kind == "bool":
+        return "true" if value else "false"
     if isinstance(value, tuple):
-        return ",".join(value) or "none"
-    return str(value) if value not in ("", None) else "none"
+        return "[" + ",".join(value) + "]"
+    if flag.kind == "float":
+        return f"{value:g}"  # Go's 5, not 5.0
+    if flag.kind in ("str", "choice") or value in ("", None):
+        return json.dumps(value or "")  # Go's %q for these plain strings
+    return str(value)
 
 
-def _add_run_flags(parser: argparse.ArgumentParser) -> None:
-    types: dict[str, Callable[[str], Any]] = {
-        "str": str,
-        "duration": _duration,
-        "float": float,
-        "int": int,
-        "hex": lambda text: int(text, 0),  # 0x1000 or 4096
-        "csv": _csv,
-        "choice": str,
-        "bool": _bool,
-    }
-    for flag in RUN_FIELDS:
-        unit = "duration, e.g. 250ms or 1m30s" if flag.kind == "duration" else flag.unit
-        if flag.kind == "csv":
-            unit += ", comma-separated or repeated"
-        extra = f"{unit}; " if unit else ""
+def _flag_help(flag: Field) -> str:
+    unit = f"one of {'|'.join(flag.choices)}" if flag.choices else flag.unit
+    if flag.kind == "duration":
+        unit = "e.g. 250ms or 1m30s"
+    if flag.kind == "csv":
+        unit += ", comma-separated or repeated"
+    extra = f"{unit}; " if unit else ""
+    return f"{field_doc(flag.name)} ({extra}default {_go_default(flag)})"
+
+
+def _add_field_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """The setting flags of `command`: those whose field lists it; `rules` takes all of
+    `run`'s but lists only its own."""
+    for flag in FIELDS:
+        listed = command in flag.commands
+        if not listed and command != "rules":
+            continue
         parser.add_argument(
-            flag.flag,
-            *flag.aliases,
+            *sorted((flag.flag, *flag.aliases), key=len),  # -v before --v
             dest=flag.name,
             # List flags take commas and may be repeated: `--node-ip A --node-ip B`.
             action="extend" if flag.kind == "csv" else "store",
             # Booleans as pflag has them: `--flag` alone means true, `--flag=false` false.
             nargs="?" if flag.kind == "bool" else None,
             const=True if flag.kind == "bool" else None,
-            type=types[flag.kind],
+            type=_PARSERS[flag.kind],
             choices=flag.choices or None,
             default=None,
-            metavar=None if flag.choices else flag.name.upper(),
-            help=f"{field_doc(flag.name)} ({extra}default: {_default_text(flag)})",
+            metavar=TYPE_WORDS[flag.kind],
+            help=_flag_help(flag) if listed else argparse.SUPPRESS,
         )
+
+
+def _add_run_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """`run`'s flags (and `rules`', which lists only those that change what it prints)."""
+    _add_field_flags(parser, command)
+    shown = command == "run"
+
+    def add(*names: str, text: str, **kwargs: Any) -> None:
+        parser.add_argument(*names, help=text if shown else argparse.SUPPRESS, **kwargs)
+
     parser.add_argument(
         "--manifests",
         nargs="+",
         action="extend",
         default=None,
-        metavar="PATH",
+        metavar="strings",
         help="Serve the Services and EndpointSlices in these YAML files or directories instead "
         "of a cluster; reloaded when they change (default: none, watch the API server)",
     )
     parser.add_argument(
         "--config",
-        metavar="FILE",
+        metavar="string",
         help="A KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1) file; flags override "
-        "it (default: none)",
+        'it (default "")',
     )
-    parser.add_argument(
+    add(
         "--proxy-mode",
         default=None,
-        help="kube-proxy's mode; this proxy is userspace mode, any other value gets a warning "
-        "(default: userspace)",
+        metavar="ProxyMode",
+        text="kube-proxy's mode; this proxy is userspace mode, any other value gets a warning "
+        '(default "userspace")',
     )
-    parser.add_argument(
+    add(
         "--cleanup",
         nargs="?",
         const=True,
         default=False,
         type=_bool,
-        metavar="BOOL",
-        help="Remove every rule and chain this proxy installs, then exit (default: false)",
+        metavar="",
+        text="Remove every rule and chain this proxy installs, then exit (default false)",
     )
-    parser.add_argument(
+    add(
         "--write-config-to",
-        metavar="FILE",
-        help="Write the effective KubeProxyConfiguration (defaults < --config < flags) to FILE "
-        "as YAML and exit (default: none)",
+        metavar="string",
+        text="Write the effective KubeProxyConfiguration (defaults < --config < flags) to this "
+        'file as YAML and exit (default "")',
     )
     for name, port in (("--healthz-port", DEFAULT_HEALTHZ_PORT), ("--metrics-port", 10249)):
-        parser.add_argument(
+        add(
             name,
             type=int,
             default=None,
-            metavar="PORT",
-            help=f"Deprecated in kube-proxy: the port of {name[2:-5]} bind address; 0 disables "
-            f"(default: {port})",
+            metavar="int",
+            text=f"Deprecated in kube-proxy: the port of {name[2:-5]} bind address; 0 disables "
+            f"(default {port})",
         )
-    parser.add_argument(
+    add(
         "--version",
         nargs="?",
         const="true",
         default=None,
-        metavar="BOOL|raw",
-        help="Print the version and exit, as kube-proxy's --version (default: false)",
+        metavar="version[=true|raw]",
+        text="Print the version and exit, as kube-proxy's --version (default false)",
     )
-    _add_logging_flags(parser)
-    ignored = parser.add_argument_group(
-        "kube-proxy flags accepted and ignored",
-        "They mean nothing to userspace mode; each one given is named in one warning.",
+    ignored = (
+        parser.add_argument_group(
+            "kube-proxy flags accepted and ignored",
+            "They mean nothing to userspace mode; each one given is named in one warning.",
+        )
+        if shown
+        else parser
     )
     for name, takes in IGNORED_FLAGS.items():
         ignored.add_argument(
@@ -262,30 +341,19 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
             default=None,
             nargs="?" if takes == "bool" else None,
             const="true" if takes == "bool" else None,
-            metavar="BOOL" if takes == "bool" else "VALUE",
-            help=argparse.SUPPRESS if name in _UNLISTED else None,
+            metavar="" if takes == "bool" else "string",
+            help=argparse.SUPPRESS if name in _UNLISTED or not shown else None,
         )
 
 
-def _add_logging_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "-v",
-        "--v",
-        dest="verbosity",
-        type=int,
-        default=None,
-        metavar="N",
-        help="Log verbosity, as kube-proxy's klog levels; 4 and above logs every connection "
-        "(count; default: 0)",
-    )
-    if not any(a.dest == "log_format" for a in parser._actions):
-        parser.add_argument(
-            "--log-format",
-            dest="log_format",
-            choices=("text", "json"),
-            default=None,
-            help="Log line format (default: text)",
-        )
+class _HelpFormatter(argparse.HelpFormatter):
+    """kube-proxy's look: `-v, --v int` (the type word once; none for a boolean)."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        names = ", ".join(action.option_strings)
+        return f"{names} {action.metavar}" if action.metavar else names
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -299,40 +367,46 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    run = sub.add_parser("run", help="Run the proxy (the default command)")
-    _add_run_flags(run)
-    demo = sub.add_parser(
-        "demo",
-        help="Serve the bundled example Services to local backends and show the balancing "
+    summaries = {
+        "run": "Run the proxy (the default command)",
+        "demo": "Serve the bundled example Services to local backends and show the balancing "
         "(no cluster, no root, no rules installed)",
-    )
+        "rules": "Print the iptables rules the proxy would install for the current sources, "
+        "each explained, and what it would ignore and why (installs nothing)",
+        "cleanup": "Remove every chain and jump this proxy installed (legacy and nft tables)",
+    }
+    commands = {
+        name: sub.add_parser(
+            name,
+            help=summary,
+            description=DESCRIPTIONS[name],
+            usage=f"{PROG} {name} [flags]",
+            formatter_class=_HelpFormatter,
+            add_help=False,
+        )
+        for name, summary in summaries.items()
+    }
+    for command in commands.values():
+        command._optionals.title = "flags"
+        command.add_argument("-h", "--help", action="help", help="Show this help and exit")
+    _add_run_flags(commands["run"], "run")
+    _add_run_flags(commands["rules"], "rules")
+    demo = commands["demo"]
     demo.add_argument(
         "--serve",
         action="store_true",
         help="Keep serving with a trickle of demo traffic; print commands to try and the"
-        " /debug/ui URL (default: off)",
+        " /debug/ui URL (default false)",
     )
     demo.add_argument(
         "--requests",
         type=int,
         default=30,
-        metavar="N",
-        help="Requests sent through each demo Service (count; default: 30)",
+        metavar="int",
+        help="Requests sent through each demo Service (count; default 30)",
     )
-    demo.add_argument(
-        "--event-loop", choices=("uvloop", "asyncio"), default="uvloop", help="(default: uvloop)"
-    )
-    _add_logging_flags(demo)
-    rules = sub.add_parser(
-        "rules",
-        help="Print the iptables rules the proxy would install for the current sources, "
-        "each with a one-line explanation (installs nothing)",
-    )
-    _add_run_flags(rules)
-    cleanup = sub.add_parser(
-        "cleanup", help="Remove every chain and jump this proxy installed (legacy and nft tables)"
-    )
-    _add_logging_flags(cleanup)
+    _add_field_flags(demo, "demo")
+    _add_field_flags(commands["cleanup"], "cleanup")
     return parser
 
 
@@ -380,8 +454,7 @@ def parse_config(args: argparse.Namespace) -> ProxyConfig:
     """Defaults < --config file < flags; raises ConfigError naming the field."""
     _warn_ignored(args)
     file_values = read_config_file(args.config) if args.config else {}
-    flags = {flag.name: getattr(args, flag.name) for flag in RUN_FIELDS}
-    flags[VERBOSITY.name] = args.verbosity
+    flags = {flag.name: getattr(args, flag.name) for flag in FIELDS}
     # A bare IP gets the default port, as kube-proxy's AppendPortIfNeeded does.
     for key, port, deprecated in (
         ("healthz_bind_address", DEFAULT_HEALTHZ_PORT, args.healthz_port),
@@ -435,7 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.setup(args.verbosity or 0, args.log_format or "text")
     try:
         if command == "demo":
-            return demo.main(serve=args.serve, requests=args.requests, event_loop=args.event_loop)
+            loop = args.event_loop or DEFAULTS.event_loop
+            return demo.main(serve=args.serve, requests=args.requests, event_loop=loop)
         if command == "cleanup":
             return _cleanup()
         config = parse_config(args)
@@ -492,5 +566,15 @@ def _cleanup() -> int:
 
 
 def _print_rules(config: ProxyConfig) -> int:
-    print(app.run_loop(app.rules_text(config), config.event_loop))
+    try:
+        text = app.run_loop(app.rules_text(config), config.event_loop)
+    except ConfigError as exc:
+        if config.manifests:
+            raise
+        # Without --manifests, `rules` reads the API server as `run` does: say the other way.
+        raise type(exc)(
+            f"{exc}\n  without a cluster, read Services and EndpointSlices from YAML: "
+            f"{PROG} rules --manifests FILE_OR_DIR"
+        ) from exc
+    print(text)
     return 0

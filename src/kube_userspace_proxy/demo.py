@@ -254,6 +254,15 @@ async def _trickle(proxy: app.Proxy, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), TRICKLE_PERIOD)
 
 
+def udp_command(port: int) -> str:
+    """A shell command that sends one datagram to `port` and prints the reply, with nothing
+    but Python (which the proxy needs anyway): `nc` is often not installed."""
+    return (
+        "python3 -c 'import socket as s; c = s.socket(s.AF_INET, s.SOCK_DGRAM); c.settimeout(2);"
+        f' c.sendto(b"hi", ("127.0.0.1", {port})); print(c.recv(512).decode())\''
+    )
+
+
 def _print_try(proxy: app.Proxy) -> None:
     proxier = proxy.proxier
     ops = proxy.ops
@@ -261,7 +270,7 @@ def _print_try(proxy: app.Proxy) -> None:
     print(f"  curl -s http://127.0.0.1:{proxier.port_of(MYAPP)}/        # {MYAPP}, round robin")
     print(f"  curl -s http://127.0.0.1:{proxier.port_of(STICKY)}/        # {STICKY}, sticky")
     print(f"  curl -s http://127.0.0.1:30080/        # NodePort of {MYAPP}")
-    print(f"  echo hi | nc -u -w1 127.0.0.1 {proxier.port_of(ECHO)}     # {ECHO}")
+    print(f"  {udp_command(proxier.port_of(ECHO))}     # {ECHO}")
     if ops is not None and ops.metrics_port:
         base = f"http://127.0.0.1:{ops.metrics_port}"
         print(f"\n  Open {base}/debug/ui in a browser: each Service's path, live")

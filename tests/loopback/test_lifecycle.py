@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -12,15 +13,25 @@ import time
 from pathlib import Path
 from typing import cast
 
+import pytest
+
 from tests.loopback.proxyrun import LOOPBACK_RUN_FLAGS, endpoint_slice, service, write_manifests
 
 CLI = [sys.executable, "-m", "kube_userspace_proxy"]
 
 
-def test_the_demo_prints_the_spread_and_exits_0() -> None:
-    result = subprocess.run(
+@pytest.fixture(scope="module")
+def demo_run() -> subprocess.CompletedProcess[str]:
+    """One run of `demo` (its pods hold fixed ports: one demo at a time)."""
+    return subprocess.run(
         [*CLI, "demo", "--requests", "30"], check=False, capture_output=True, text=True, timeout=60
     )
+
+
+def test_the_demo_prints_the_spread_and_exits_0(
+    demo_run: subprocess.CompletedProcess[str],
+) -> None:
+    result = demo_run
     assert result.returncode == 0, result.stderr
     out = result.stdout
     # Round robin: each of the three pods got 10 of 30 requests.
@@ -34,6 +45,45 @@ def test_the_demo_prints_the_spread_and_exits_0() -> None:
     # UDP spread and the rules that would capture the ClusterIPs and NodePort.
     assert "demo/echo-udp:echo" in out
     assert "KUBE-PORTALS-CONTAINER" in out and "--dport 30080" in out
+
+
+def test_the_demo_installs_no_rules_and_does_not_say_it_left_some(
+    demo_run: subprocess.CompletedProcess[str],
+) -> None:
+    assert demo_run.returncode == 0, demo_run.stderr
+    assert "stopped (this process installed no iptables rules)" in demo_run.stderr
+    assert "rules left in place" not in demo_run.stderr
+
+
+def test_the_serve_hint_for_udp_works_with_python_alone() -> None:
+    proc = subprocess.Popen(
+        [*CLI, "demo", "--serve", "--requests", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        hint = ""
+        deadline = time.monotonic() + 30
+        while not hint and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "the demo ended before printing its hints"
+            if "demo/echo-udp:echo" in line and "python3 -c" in line:
+                hint = line.split("#")[0].strip()
+        assert hint, "no UDP hint printed"
+        assert "nc " not in hint
+        argv = shlex.split(hint)
+        assert argv[0] == "python3"
+        reply = subprocess.run(
+            [sys.executable, *argv[1:]], check=True, capture_output=True, text=True, timeout=30
+        )
+        assert reply.stdout.strip() in {"pod-a: hi", "pod-b: hi", "pod-c: hi"}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "rules left in place" not in err
 
 
 async def wait_refused(port: int, seconds: float = 30.0) -> None:

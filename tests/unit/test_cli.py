@@ -16,9 +16,67 @@ def test_help_lists_every_run_option_with_its_default(capsys: pytest.CaptureFixt
     text = " ".join(capsys.readouterr().out.split())
     for flag in RUN_FIELDS:
         assert flag.flag in text
-    assert "--udp-timeout" in text and "default: 250ms" in text
-    assert "default: 30s" in text and "default: 0.0.0.0:10256" in text
-    assert text.count("default:") >= len(RUN_FIELDS)
+    # Defaults as kube-proxy's --help spells them.
+    assert "--udp-timeout duration" in text and "default 250ms)" in text
+    assert "default 30s)" in text and "default 0.0.0.0:10256)" in text
+    assert text.count("default ") >= len(RUN_FIELDS)
+
+
+def test_help_shows_type_words_and_go_defaults_not_python_names(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in (
+        "--udp-timeout duration",
+        "--bind-address string",
+        "--nodeport-addresses strings",
+        "--kube-api-burst int",
+        "--healthz-bind-address ipport",
+        "--proxy-port-range port-range",
+        "-v, --v int",
+    ):
+        assert words in text
+    # A boolean takes no type word, and its default is Go's `true`.
+    assert "--guard-proxy-ports REJECT" in text and "default true)" in text
+    assert "default 5)" in text  # --kube-api-qps: Go prints 5, not 5.0
+    for python in ("UDP_IDLE_TIMEOUT", "default: True", "None: leave it", "kube_api_qps"):
+        assert python not in text
+    for flag in RUN_FIELDS:
+        assert f"{flag.flag} {flag.name.upper()}" not in text
+
+
+@pytest.mark.parametrize("command", ["run", "rules", "demo", "cleanup"])
+def test_each_command_help_starts_with_what_it_does(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    first = out.split("\n\n")[0]
+    assert not first.startswith("usage") and first.rstrip().endswith(".")
+    assert f"usage: kube-userspace-proxy {command} [flags]" in out
+
+
+def test_rules_help_lists_only_the_flags_that_change_its_output(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["rules", "--help"])
+    out = capsys.readouterr().out
+    invocations = [line.split() for line in out.splitlines() if line.startswith("  -")]
+    named = {word.rstrip(",") for words in invocations for word in words}
+    listed = {flag.flag for flag in RUN_FIELDS if flag.flag in named}
+    expected = {flag.flag for flag in RUN_FIELDS if "rules" in flag.commands}
+    assert listed == expected
+    assert "--manifests" in out and "--hostname-override" in out
+    for run_only in ("--udp-timeout", "--workers", "--state-dir", "--cleanup", "--masquerade-all"):
+        assert run_only not in out
+    # ... yet it takes them, so a node's command line can be pasted after `rules`.
+    args = cli.make_parser().parse_args(["rules", "--udp-timeout", "1s", "--masquerade-all"])
+    assert args.udp_idle_timeout == 1.0
 
 
 @pytest.mark.parametrize(

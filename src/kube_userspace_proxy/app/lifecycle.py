@@ -24,11 +24,10 @@ from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.config import kubeproxy as kpc
 from kube_userspace_proxy.config.settings import ProxyConfig, effective_document
 from kube_userspace_proxy.errors import ProxyError
-from kube_userspace_proxy.model import ProxiedPort, Snapshot
+from kube_userspace_proxy.model import Snapshot
 from kube_userspace_proxy.ops.health import watch_lag
 from kube_userspace_proxy.ops.metrics import ProxyMetrics, SourceCounters
 from kube_userspace_proxy.ops.server import start_ops
-from kube_userspace_proxy.portals import explain
 from kube_userspace_proxy.restart import handover, statefile
 
 log = logs.get(__name__)
@@ -92,7 +91,11 @@ async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> 
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.remove_signal_handler(sig)
-    log.info("stopped (rules left in place; `kube-userspace-proxy cleanup` removes them)")
+    if proxy.portals is not None and proxy.portals.rule_counts():
+        # Left so that traffic waits for the next process (or a handover) instead of failing.
+        log.info("stopped (rules left in place; `kube-userspace-proxy cleanup` removes them)")
+    else:
+        log.info("stopped (this process installed no iptables rules)")
     return 0 if outcome == "stopped" else 1
 
 
@@ -257,40 +260,6 @@ async def _first_done(tasks: Sequence[asyncio.Task[Any]], stop: asyncio.Event) -
             log.error("root task %s ended unexpectedly", task.get_name())
             return "failed"
     return "stopped"
-
-
-async def rules_text(config: ProxyConfig) -> str:
-    """The rules `run` would install for the current sources, each with its explanation.
-
-    Proxy ports are picked when the proxy starts, so the ones shown are examples (numbered
-    from the start of `--proxy-port-range`, or from 40000); /debug/state shows the live ones.
-    """
-    proxy = build(config.model_copy(update={"iptables_backend": "none", "workers": "1"}))
-    source = make_source(config, proxy.state)
-    await source.load_once()
-    snapshot = proxy.state.snapshot()
-    port_range = config.port_range
-    next_port = port_range[0] if port_range else 40000
-    ports = []
-    for info in sorted(snapshot.services.values(), key=lambda i: i.name):
-        cluster = next_port
-        external = next_port + 1 if info.paths_differ else cluster
-        next_port = external + 1
-        ports.append(ProxiedPort(info, cluster, external))
-    node_ips = proxy.configured(snapshot).node_ips
-    lines = [
-        f"# {len(ports)} service port(s); node IPs: "
-        + (", ".join(node_ips) or "none known (pass --node-ip)"),
-        "# proxy ports are examples: each run picks free ones (see /debug/state for live ones)",
-    ]
-    for rule, why in explain(
-        ports,
-        node_ips=node_ips,
-        bind_address=config.bind_address,
-        nodeport_addresses=config.nodeport_addresses,
-    ):
-        lines.append(f"{rule}\n    # {why}")
-    return "\n".join(lines)
 
 
 def raise_nofile_limit() -> int:

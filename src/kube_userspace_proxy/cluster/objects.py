@@ -38,6 +38,9 @@ TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
 LABEL_TOPOLOGY_ZONE = "topology.kubernetes.io/zone"
 _IP_MODES = frozenset({"VIP", "Proxy"})
 
+NO_CLUSTER_IP = "no clusterIP"
+"""ignore_reason's answer for a Service whose clusterIP nobody allocated (in manifests only)."""
+
 MAX_AFFINITY_TIMEOUT = 86400  # kube-apiserver's validation limit
 _EXTERNALLY_ACCESSIBLE_TYPES = frozenset({"NodePort", "LoadBalancer"})
 _SERVICE_TYPES = frozenset({"ClusterIP", "NodePort", "LoadBalancer", "ExternalName"})
@@ -92,6 +95,8 @@ class Slice:
     service: Key
     ports: tuple[tuple[str, Protocol, int], ...]  # (port name, protocol, port)
     endpoints: tuple[SliceEndpoint, ...]
+    dropped: tuple[tuple[str, str], ...] = ()
+    """(address, why) of the endpoints left out because of their address (`rules` says so)."""
 
 
 # -- typed field access ----------------------------------------------------------------------
@@ -157,7 +162,7 @@ def ip_address(value: Any, where: str, version: int | None = None) -> str:
 
 def forbidden_kind(ip: str, obj_kind: str, field: str, *, loopback: bool = False) -> str | None:
     """The kind of a canonical address that is never proxied (counted), or None."""
-    packed = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
+    packed = socket.inet_pton(_family(ip), ip)
     kind = addresses.forbidden_kind(packed)
     if kind == "loopback" and loopback:
         return None
@@ -248,7 +253,7 @@ def ignore_reason(obj: Mapping[str, Any], service_proxy_name: str | None) -> str
     if first == "None":
         return "headless (clusterIP None)"
     if not first:
-        return "no clusterIP"
+        return NO_CLUSTER_IP
     return None
 
 
@@ -429,6 +434,7 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
             ports.append((port_name, Protocol(protocol), number))
 
     endpoints: list[SliceEndpoint] = []
+    dropped: list[tuple[str, str]] = []
     for i, endpoint in enumerate(_items(obj, "endpoints", "")):
         where = f"endpoints[{i}]"
         if not isinstance(endpoint, Mapping):
@@ -442,6 +448,7 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
             ip, f"{where}.addresses[0]", "EndpointSlice", key, "endpoint", loopback=loopback
         )
         if usable is None:
+            dropped.append((ip, f"a {_address_kind(ip)} address is never proxied"))
             continue
         conditions = _mapping(endpoint, "conditions", f"{where}.")
         cwhere = f"{where}.conditions."
@@ -461,7 +468,16 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
                 _hint_names(hints, "forZones", f"{where}.hints."),
             )
         )
-    return Slice((key[0], service), tuple(ports), tuple(endpoints))
+    return Slice((key[0], service), tuple(ports), tuple(endpoints), tuple(dropped))
+
+
+def _family(ip: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in ip else socket.AF_INET
+
+
+def _address_kind(ip: str) -> str | None:
+    """`addresses.forbidden_kind` of a canonical address, not counted."""
+    return addresses.forbidden_kind(socket.inet_pton(_family(ip), ip))
 
 
 def _hint_names(hints: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:

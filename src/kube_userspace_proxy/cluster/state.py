@@ -71,6 +71,7 @@ class ClusterState:
         self._slices: dict[Key, Slice] = {}
         self._slices_of: dict[Key, set[Key]] = {}  # service key -> slice keys
         self._rejected: dict[tuple[Kind, Key], Any] = {}  # last raw object already logged
+        self._ignored: dict[tuple[Kind, Key], str] = {}  # objects not served now -> why
         self._versions: dict[tuple[Kind, Key], str] = {}  # resourceVersion last parsed
         self._sctp_warned: set[ServicePortName] = set()
         self._problems_warned: dict[Key, tuple[str, ...]] = {}
@@ -155,6 +156,8 @@ class ClusterState:
             changes += self._remove(kind, key)
         for rejected in [r for r in self._rejected if r[0] == kind and r[1] not in seen]:
             del self._rejected[rejected]
+        for gone in [r for r in self._ignored if r[0] == kind and r[1] not in seen]:
+            del self._ignored[gone]
         self._count(kind, changes)
         if changes or (first and self.listed):
             self.on_change()
@@ -169,6 +172,7 @@ class ClusterState:
             return
         if event == "DELETED":
             self._rejected.pop((kind, key), None)
+            self._ignored.pop((kind, key), None)
             changes = self._remove(kind, key)
         elif event in ("ADDED", "MODIFIED"):
             changes = self._upsert(kind, key, obj)
@@ -205,6 +209,15 @@ class ClusterState:
         self.on_change()
 
     # -- output ---------------------------------------------------------------------------
+
+    def ignored(self) -> list[tuple[Kind, Key, str]]:
+        """(kind, key, why) of every Service and EndpointSlice given but not served now."""
+        return sorted((kind, key, why) for (kind, key), why in self._ignored.items())
+
+    def dropped_endpoints(self, service: Key) -> list[tuple[str, str]]:
+        """(address, why) of the endpoints a Service's slices name that are never dialed."""
+        slices = sorted(self._slices_of.get(service, ()))
+        return [dropped for key in slices for dropped in self._slices[key].dropped]
 
     def snapshot(self) -> Snapshot:
         """The complete state now; resets the trigger times and pending change counts."""
@@ -284,11 +297,19 @@ class ClusterState:
             self.pending_endpoint_changes += changes
             self.endpoint_changes_total += changes
 
-    def _reject(self, kind: Kind, key: Key, obj: Any, reason: str, *, warn: bool) -> None:
-        # Log a rejected object once per version, not again on every relist or reload.
+    def _reject(self, kind: Kind, key: Key, obj: Any, reason: str, *, warn: bool) -> int:
+        """Remove what the object was (changes made), and log why once per version."""
+        changes = self._ignore(kind, key, reason)
         if self._rejected.get((kind, key)) != obj:
             self._rejected[(kind, key)] = obj
             (log.warning if warn else log.info)("skipping %s %s/%s: %s", kind, *key, reason)
+        return changes
+
+    def _ignore(self, kind: Kind, key: Key, reason: str) -> int:
+        """Remove what the object was (changes made); `ignored()` names it with `reason`."""
+        changes = self._remove(kind, key)
+        self._ignored[(kind, key)] = reason
+        return changes
 
     def _upsert(self, kind: Kind, key: Key, obj: Mapping[str, Any]) -> int:
         version = obj["metadata"].get("resourceVersion")
@@ -304,6 +325,7 @@ class ClusterState:
 
     def _remove(self, kind: Kind, key: Key) -> int:
         self._versions.pop((kind, key), None)
+        self._ignored.pop((kind, key), None)
         if kind == "Service":
             if self._services.pop(key, None) is None:
                 return 0
@@ -332,10 +354,9 @@ class ClusterState:
                 log.debug("ignoring Service %s/%s: %s", *key, reason)
             self._rejected.pop(("Service", key), None)
         except Exception as exc:  # never let one bad object stop the others
-            self._reject("Service", key, obj, str(exc), warn=True)
-            return self._remove("Service", key)
+            return self._reject("Service", key, obj, str(exc), warn=True)
         if reason is not None:
-            return self._remove("Service", key)
+            return self._ignore("Service", key, reason)
         if self._services.get(key) == infos:
             return 0
         self._services[key] = infos
@@ -363,14 +384,12 @@ class ClusterState:
             parsed = parse_slice(obj, key, loopback=self.loopback_endpoints)
             self._rejected.pop(("EndpointSlice", key), None)
         except Skip as exc:
-            if exc.quiet:
-                log.debug("ignoring EndpointSlice %s/%s: %s", *key, exc)
-            else:
-                self._reject("EndpointSlice", key, obj, str(exc), warn=False)
-            return self._remove("EndpointSlice", key)
+            if not exc.quiet:
+                return self._reject("EndpointSlice", key, obj, str(exc), warn=False)
+            log.debug("ignoring EndpointSlice %s/%s: %s", *key, exc)
+            return self._ignore("EndpointSlice", key, str(exc))
         except Exception as exc:  # never let one bad object stop the others
-            self._reject("EndpointSlice", key, obj, str(exc), warn=True)
-            return self._remove("EndpointSlice", key)
+            return self._reject("EndpointSlice", key, obj, str(exc), warn=True)
         old = self._slices.get(key)
         if old == parsed:
             return 0
@@ -401,30 +420,8 @@ class ClusterState:
         infos = self._services.get(key)
         if not infos:
             return
-        merged: dict[ServicePortName, dict[tuple[str, int], Endpoint]] = {
-            info.name: {} for info in infos
-        }
-        namespace, name = key
-        for slice_key in sorted(self._slices_of.get(key, ())):
-            piece = self._slices[slice_key]
-            for port_name, protocol, number in piece.ports:
-                into = merged.get(ServicePortName(namespace, name, port_name, protocol))
-                if into is None:
-                    continue
-                for e in piece.endpoints:
-                    seen = into.get((e.ip, number))
-                    # The same endpoint in two slices (during a move): the ready copy wins.
-                    if seen is None or (e.ready and not seen.ready):
-                        into[(e.ip, number)] = Endpoint(
-                            e.ip,
-                            number,
-                            e.ready,
-                            e.serving,
-                            e.terminating,
-                            e.node_name,
-                            e.node_hints,
-                            e.zone_hints,
-                        )
+        pieces = [self._slices[k] for k in sorted(self._slices_of.get(key, ()))]
+        merged = _merged(key, infos, pieces)
         for info in infos:
             self._touched.add(info.name)
             self._snap_services[info.name] = info
@@ -438,6 +435,36 @@ class ClusterState:
         self._built[key] = tuple(info.name for info in infos)
 
 
+def _merged(
+    key: Key, infos: tuple[ServicePortInfo, ...], pieces: list[Slice]
+) -> dict[ServicePortName, dict[tuple[str, int], Endpoint]]:
+    """Per service port of a Service, its endpoints by (ip, port) from all its slices."""
+    merged: dict[ServicePortName, dict[tuple[str, int], Endpoint]] = {
+        info.name: {} for info in infos
+    }
+    namespace, name = key
+    for piece in pieces:
+        for port_name, protocol, number in piece.ports:
+            into = merged.get(ServicePortName(namespace, name, port_name, protocol))
+            if into is None:
+                continue
+            for e in piece.endpoints:
+                seen = into.get((e.ip, number))
+                # The same endpoint in two slices (during a move): the ready copy wins.
+                if seen is None or (e.ready and not seen.ready):
+                    into[(e.ip, number)] = Endpoint(
+                        e.ip,
+                        number,
+                        e.ready,
+                        e.serving,
+                        e.terminating,
+                        e.node_name,
+                        e.node_hints,
+                        e.zone_hints,
+                    )
+    return merged
+
+
 def _reusing(parsed: Slice, old: Slice) -> Slice:
     """`parsed` with the endpoint objects (and ports) of `old` that are equal to its own."""
     known = {e: e for e in old.endpoints}
@@ -445,6 +472,7 @@ def _reusing(parsed: Slice, old: Slice) -> Slice:
         parsed.service,
         old.ports if old.ports == parsed.ports else parsed.ports,
         tuple(known.get(e, e) for e in parsed.endpoints),
+        parsed.dropped,
     )
 
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+RUN = frozenset({"run"})
+RUN_AND_RULES = frozenset({"run", "rules"})
+EVERY_COMMAND = frozenset({"run", "rules", "demo", "cleanup"})
+
 
 @dataclass(frozen=True, slots=True)
 class Field:
@@ -22,9 +26,10 @@ class Field:
     """The ProxyConfig field it sets; the docstring under that field is the flag's help."""
     kind: str
     """How the flag's value is read: str, duration, float, int, hex (0x1000 or 4096), csv,
-    choice or bool."""
+    choice, bool, ipport (host:port) or port-range. --help shows it as kube-proxy's type word
+    (`string`, `duration`, `strings`, ...) and the default in Go's spelling."""
     unit: str = ""
-    """The unit --help names (durations name theirs)."""
+    """The unit --help names when the type word does not say it."""
     choices: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
     """Other spellings of the flag."""
@@ -32,6 +37,9 @@ class Field:
     """The KubeProxyConfiguration path (dotted) whose value applies here; "": none does."""
     kube_proxy_flag: str = ""
     """kube-proxy's flag of the same meaning, whose value applies here; "": this proxy's own."""
+    commands: frozenset[str] = RUN
+    """The subcommands whose --help lists the flag. `rules` accepts every flag of `run` (a
+    node's command line pastes in), but lists only those that change what it prints."""
 
 
 RUN_FIELDS: tuple[Field, ...] = (
@@ -42,14 +50,15 @@ RUN_FIELDS: tuple[Field, ...] = (
         "IP",
         path="bindAddress",
         kube_proxy_flag="--bind-address",
+        commands=RUN_AND_RULES,
     ),
     Field(
         "--proxy-port-range",
         "proxy_port_range",
-        "str",
-        "range",
+        "port-range",
         path="portRange",
         kube_proxy_flag="--proxy-port-range",
+        commands=RUN_AND_RULES,
     ),
     Field(
         "--udp-timeout",
@@ -84,16 +93,14 @@ RUN_FIELDS: tuple[Field, ...] = (
     Field(
         "--healthz-bind-address",
         "healthz_bind_address",
-        "str",
-        "host:port",
+        "ipport",
         path="healthzBindAddress",
         kube_proxy_flag="--healthz-bind-address",
     ),
     Field(
         "--metrics-bind-address",
         "metrics_bind_address",
-        "str",
-        "host:port",
+        "ipport",
         path="metricsBindAddress",
         kube_proxy_flag="--metrics-bind-address",
     ),
@@ -105,6 +112,7 @@ RUN_FIELDS: tuple[Field, ...] = (
         "name",
         path="hostnameOverride",
         kube_proxy_flag="--hostname-override",
+        commands=RUN_AND_RULES,
     ),
     Field(
         "--kubeconfig",
@@ -113,8 +121,9 @@ RUN_FIELDS: tuple[Field, ...] = (
         "path",
         path="clientConnection.kubeconfig",
         kube_proxy_flag="--kubeconfig",
+        commands=RUN_AND_RULES,
     ),
-    Field("--master", "master", "str", "URL", kube_proxy_flag="--master"),
+    Field("--master", "master", "str", "URL", kube_proxy_flag="--master", commands=RUN_AND_RULES),
     Field(
         "--kube-api-qps",
         "kube_api_qps",
@@ -138,6 +147,7 @@ RUN_FIELDS: tuple[Field, ...] = (
         "CIDR list",
         path="nodePortAddresses",
         kube_proxy_flag="--nodeport-addresses",
+        commands=RUN_AND_RULES,
     ),
     Field(
         "--cluster-cidr",
@@ -147,12 +157,19 @@ RUN_FIELDS: tuple[Field, ...] = (
         path="clusterCIDR",
         kube_proxy_flag="--cluster-cidr",
     ),
-    Field("--service-proxy-name", "service_proxy_name", "str", "name"),
+    Field("--service-proxy-name", "service_proxy_name", "str", "name", commands=RUN_AND_RULES),
     Field(
         "--iptables-backend", "iptables_backend", "choice", "", ("auto", "iptc", "restore", "none")
     ),
-    Field("--node-ip", "node_ips", "csv", "IP list"),
-    Field("--event-loop", "event_loop", "choice", "", ("uvloop", "asyncio")),
+    Field("--node-ip", "node_ips", "csv", "IP list", commands=RUN_AND_RULES),
+    Field(
+        "--event-loop",
+        "event_loop",
+        "choice",
+        "",
+        ("uvloop", "asyncio"),
+        commands=frozenset({"run", "demo"}),
+    ),
     Field(
         "--log-format",
         "log_format",
@@ -162,6 +179,7 @@ RUN_FIELDS: tuple[Field, ...] = (
         ("--logging-format",),
         path="logging.format",
         kube_proxy_flag="--logging-format",
+        commands=EVERY_COMMAND,
     ),
     Field(
         "--oom-score-adj",
@@ -171,18 +189,26 @@ RUN_FIELDS: tuple[Field, ...] = (
         path="oomScoreAdj",
         kube_proxy_flag="--oom-score-adj",
     ),
-    Field("--metrics-per-service-port", "metrics_per_service_port", "bool", "true|false"),
+    Field("--metrics-per-service-port", "metrics_per_service_port", "bool"),
     Field("--shutdown-grace", "shutdown_grace", "duration"),
     Field("--workers", "workers", "str", "count or auto"),
-    Field("--guard-proxy-ports", "guard_proxy_ports", "bool", "true|false"),
+    Field("--guard-proxy-ports", "guard_proxy_ports", "bool", commands=RUN_AND_RULES),
     Field("--state-dir", "state_dir", "str", "path"),
     Field("--after-handover", "after_handover", "choice", "", ("exit", "wait")),
-    Field("--loopback-endpoints", "loopback_endpoints", "choice", "", ("auto", "allow", "deny")),
-    Field("--preserve-source-ip", "preserve_source_ip", "bool", "true|false"),
+    Field(
+        "--loopback-endpoints",
+        "loopback_endpoints",
+        "choice",
+        "",
+        ("auto", "allow", "deny"),
+        commands=RUN_AND_RULES,
+    ),
+    Field("--preserve-source-ip", "preserve_source_ip", "bool"),
     Field("--transparent-mark", "transparent_mark", "hex", "one bit, e.g. 0x1000"),
     Field("--transparent-table", "transparent_table", "int", "table number"),
 )
-"""The `run` (and `rules`) command's setting flags, in --help order."""
+"""The `run` command's setting flags, in --help order (each lists the other commands that
+take it)."""
 
 VERBOSITY = Field(
     "--v",
@@ -192,8 +218,9 @@ VERBOSITY = Field(
     aliases=("-v",),
     path="logging.verbosity",
     kube_proxy_flag="--v",
+    commands=EVERY_COMMAND,
 )
-"""-v/--v: declared with the logging flags, which `demo` and `cleanup` take too."""
+"""-v/--v: after the other flags in --help, as kube-proxy lists it."""
 
 FIELDS: tuple[Field, ...] = (*RUN_FIELDS, VERBOSITY)
 """Every setting a flag or a KubeProxyConfiguration file sets."""

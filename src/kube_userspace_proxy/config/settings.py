@@ -120,10 +120,10 @@ class ProxyConfig(BaseModel):
     first probe after this long idle, then one each as long; the kernel's probe count
     unanswered (or data unacknowledged as long: TCP_USER_TIMEOUT) ends it. 0 turns it off."""
     sync_period: float = 30.0
-    """Seconds between full resyncs of listeners and rules (`--iptables-sync-period`)."""
+    """Seconds between full resyncs of listeners and rules."""
     verify_period: float = 3600.0
     """Seconds between full reads of our iptables chains, every shard compared with what was
-    written (`--iptables-verify-period`; 1h, as kube-proxy's full resync). Each sync in between
+    written (1h, as kube-proxy's full resync). Each sync in between
     checks cheaply: the canary chain, the jumps and the entry chains. 0: every sync reads all."""
     min_sync_period: float = 1.0
     """Minimum seconds between two syncs; changes arriving faster are coalesced."""
@@ -141,18 +141,19 @@ class ProxyConfig(BaseModel):
     kubeconfig: str = ""
     """Path of a kubeconfig file; default: $KUBECONFIG, then in-cluster config."""
     master: str = ""
-    """API server URL, overriding the kubeconfig's."""
+    """API server URL, overriding the kubeconfig's; unset: the kubeconfig's."""
     kube_api_qps: float = 5.0
     """Requests per second to the API server (client-side limit)."""
     kube_api_burst: int = 10
-    """Burst of requests allowed above kube_api_qps."""
+    """Burst of requests allowed above --kube-api-qps."""
     nodeport_addresses: tuple[str, ...] = ()
     """CIDRs whose local addresses answer NodePorts, or `primary` (the Node's IP of each
     family, followed); empty: every local address."""
     cluster_cidr: str = ""
-    """The cluster's Pod CIDR (informational; shown in /configz)."""
+    """The cluster's Pod CIDR, or a dual-stack pair (informational; shown in /configz)."""
     service_proxy_name: str = ""
-    """Handle only Services labelled service.kubernetes.io/service-proxy-name=<this>."""
+    """Handle only Services labelled service.kubernetes.io/service-proxy-name=<this>; unset:
+    only Services without that label, as kube-proxy."""
     iptables_backend: Backend = "auto"
     """auto (the host's mode), iptc (python-iptables, legacy), restore, or none (no rules)."""
     node_ips: tuple[str, ...] = ()
@@ -168,7 +169,8 @@ class ProxyConfig(BaseModel):
     manifests: tuple[str, ...] = ()
     """Manifest files or directories to serve instead of a cluster."""
     oom_score_adj: int | None = kpc.OOM_SCORE_ADJ
-    """oom_score_adj written to /proc/self/oom_score_adj at start (-1000..1000); None: leave it."""
+    """oom_score_adj written to /proc/self/oom_score_adj at start (-1000..1000); null in a
+    --config file: leave it."""
     metrics_per_service_port: bool = True
     """Export per-service-port series (labels namespace, service, port); off for big clusters."""
     kube_proxy_config: dict[str, Any] = {}

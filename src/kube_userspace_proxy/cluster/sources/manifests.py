@@ -38,10 +38,15 @@ Signature = tuple[int, int, int, int]  # (mtime_ns, size, inode, device)
 class _Loaded:
     signature: Signature
     objects: tuple[tuple[ManifestKind, dict[str, Any]], ...]
+    others: tuple[str, ...] = ()
+    """`Kind namespace/name` of the objects of other kinds in the file (`rules` names them)."""
 
 
-def read_manifest(path: Path) -> list[tuple[ManifestKind, dict[str, Any]]]:
-    """The Services and EndpointSlices of one file; raises ManifestError naming file:line."""
+def read_manifest(
+    path: Path, others: list[str] | None = None
+) -> list[tuple[ManifestKind, dict[str, Any]]]:
+    """The Services and EndpointSlices of one file; raises ManifestError naming file:line.
+    `others` gets `Kind namespace/name` of each object of another kind."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -63,10 +68,12 @@ def read_manifest(path: Path) -> list[tuple[ManifestKind, dict[str, Any]]]:
         raise ManifestError(f"{path}: {exc}") from exc
     except Exception as exc:  # whatever else the parsers raise on odd input is the file's fault
         raise ManifestError(f"{path}: {type(exc).__name__}: {exc}") from exc
-    return _objects(documents, path)
+    return _objects(documents, path, [] if others is None else others)
 
 
-def _objects(documents: Sequence[Any], path: Path) -> list[tuple[ManifestKind, dict[str, Any]]]:
+def _objects(
+    documents: Sequence[Any], path: Path, others: list[str]
+) -> list[tuple[ManifestKind, dict[str, Any]]]:
     """The Services and EndpointSlices in documents, `kind: List` items flattened in order.
 
     Iterative, and each List is walked once: YAML aliases can make a List contain itself,
@@ -103,6 +110,10 @@ def _objects(documents: Sequence[Any], path: Path) -> list[tuple[ManifestKind, d
             if isinstance(metadata, dict) and not metadata.get("namespace"):
                 metadata["namespace"] = "default"
             found.append((kind, document))
+        else:
+            meta = document.get("metadata")
+            meta = meta if isinstance(meta, dict) else {}
+            others.append(f"{kind} {meta.get('namespace') or 'default'}/{meta.get('name') or '?'}")
     return found
 
 
@@ -166,6 +177,13 @@ class ManifestSource:
             else:
                 found.append(path)
         return list(dict.fromkeys(found))
+
+    def other_kinds(self) -> list[tuple[Path, str]]:
+        """(file, `Kind namespace/name`) of the loaded objects that are neither a Service, an
+        EndpointSlice nor a Node: the proxy reads nothing else."""
+        return [
+            (p, other) for p in self._order if p in self._loaded for other in self._loaded[p].others
+        ]
 
     async def load_once(self, *, strict: bool = True) -> None:
         """Read every file now and replace the state's objects (KubeSource's shape).
@@ -251,8 +269,9 @@ class ManifestSource:
             if signature is None:
                 self._fail(path, None, f"{path}: no such manifest file or directory")
                 continue
+            others: list[str] = []
             try:
-                objects = tuple(read_manifest(path))
+                objects = tuple(read_manifest(path, others))
             except ManifestError as exc:
                 self._fail(path, signature, str(exc))
                 continue
@@ -262,7 +281,7 @@ class ManifestSource:
             if path in self._failed:
                 log.info("manifest %s parses again", path)
                 del self._failed[path]
-            self._loaded[path] = _Loaded(signature, objects)
+            self._loaded[path] = _Loaded(signature, objects, tuple(others))
             self._generation += 1
             changed = True
         self._first = False

@@ -1,0 +1,113 @@
+"""`rules`, the learning tool: the rules for a manifest, what the proxy decides itself (the
+endpoints it uses and not, and why), every object it ignored and what to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kube_userspace_proxy import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rules(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(["rules", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def write(path: Path, objects: list[dict[str, object]]) -> str:
+    path.write_text(yaml.safe_dump_all(objects))
+    return str(path)
+
+
+def test_the_example_manifest_gives_its_service_port_a_rule(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = rules(["--manifests", str(ROOT / "deploy" / "myapp.yaml")], capsys)
+    assert code == 0
+    assert out.startswith("# 1 service port(s)")
+    redirect = [line for line in out.splitlines() if "REDIRECT" in line]
+    assert len(redirect) == 1 and '"default/myapp:http"' in redirect[0]
+    assert "-d 10.96.100.80/32" in redirect[0] and "--dport 80" in redirect[0]
+    # Its Deployment is named as not read, and why the port has no endpoint yet.
+    assert "Deployment default/svc-deploy" in out
+    assert "no EndpointSlice names Service default/myapp" in out
+
+
+def test_a_service_without_cluster_ip_is_named_with_what_to_add_at_default_verbosity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = write(
+        tmp_path / "svc.yaml",
+        [{"kind": "Service", "metadata": {"name": "web"}, "spec": {"ports": [{"port": 80}]}}],
+    )
+    code, out, _ = rules(["--manifests", manifest], capsys)
+    assert code == 0
+    assert out.startswith("# 0 service port(s)")
+    (line,) = [line for line in out.splitlines() if "Service default/web" in line]
+    assert line.startswith("#") and "no clusterIP" in line and "add spec.clusterIP" in line
+
+
+def test_unused_endpoints_are_listed_with_the_reason_and_affinity_is_the_proxys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    service = {
+        "kind": "Service",
+        "metadata": {"name": "web", "namespace": "shop"},
+        "spec": {
+            "clusterIP": "10.96.0.20",
+            "type": "NodePort",
+            "externalTrafficPolicy": "Local",
+            "sessionAffinity": "ClientIP",
+            "ports": [{"name": "http", "port": 80, "nodePort": 30080}],
+        },
+    }
+    endpoints = [
+        {"addresses": ["10.244.1.5"], "nodeName": "node-a"},
+        {"addresses": ["10.244.1.6"], "nodeName": "node-a", "conditions": {"ready": False}},
+        {
+            "addresses": ["10.244.2.7"],
+            "nodeName": "node-b",
+            "conditions": {"ready": False, "serving": True, "terminating": True},
+        },
+        {"addresses": ["169.254.1.1"], "nodeName": "node-a"},
+    ]
+    piece = {
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "web-1",
+            "namespace": "shop",
+            "labels": {"kubernetes.io/service-name": "web"},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080}],
+        "endpoints": endpoints,
+    }
+    manifest = write(tmp_path / "web.yaml", [service, piece])
+    code, out, _ = rules(["--manifests", manifest, "--hostname-override", "node-a"], capsys)
+    assert code == 0
+    assert "Decided in the proxy, not by a rule" in out
+    assert "sessionAffinity ClientIP: a client keeps its endpoint for 10800s" in out
+    assert "#   used by cluster traffic: 10.244.1.5:8080\n" in out
+    assert "not used by cluster traffic: 10.244.1.6:8080: not ready" in out
+    assert "not used by cluster traffic: 10.244.2.7:8080: terminating" in out
+    assert (
+        "not used by NodePort/external traffic: 10.244.2.7:8080: on node node-b, not this one,"
+        " under traffic policy Local" in out
+    )
+    assert "not used: 169.254.1.1: a link-local address is never proxied" in out
+
+
+def test_rules_without_a_cluster_or_manifests_names_manifests(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", "/nonexistent")  # no ~/.kube/config either
+    code, out, err = rules([], capsys)
+    assert code == 2 and out == ""
+    assert "kube-userspace-proxy rules --manifests" in err
