@@ -22,43 +22,54 @@ import uvloop
 
 
 class Relay(asyncio.Protocol):
-    """One direction's reader and the other direction's writer; `peer` is the other side."""
+    """One side of a proxied connection: what it reads, the `peer` side writes."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.peer: Relay | None = None
+        self.eof = False
         self.early: list[bytes] = []  # the client's bytes that came before the backend's answer
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
 
-    def data_received(self, data: bytes) -> None:
+    def other(self) -> asyncio.Transport | None:
+        """The peer's transport while it is open."""
         peer = self.peer
-        if peer is None or peer.transport is None:
-            self.early.append(data)
-        else:
-            peer.transport.write(data)
+        if peer is None or peer.transport is None or peer.transport.is_closing():
+            return None
+        return peer.transport
 
-    def eof_received(self) -> bool | None:
-        if self.peer is not None and self.peer.transport is not None:
-            if self.peer.transport.can_write_eof():
-                self.peer.transport.write_eof()
-                return True  # half-close: keep the other direction open
-            self.peer.transport.close()
-        return None
+    def data_received(self, data: bytes) -> None:
+        if self.peer is None:
+            self.early.append(data)
+        elif (to := self.other()) is not None:
+            to.write(data)
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        to = self.other()
+        if to is None:
+            return self.peer is None  # no backend yet: it gets the EOF when it answers
+        if self.peer is not None and self.peer.eof:
+            to.close()  # both directions ended
+            return False
+        if to.can_write_eof():
+            to.write_eof()
+        return True  # half-close: the other direction goes on
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.close()
+        if (to := self.other()) is not None:
+            to.close()
 
-    # The other side's reads stop while this side cannot take more.
+    # The peer's reads stop while this side cannot take more.
     def pause_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.pause_reading()
+        if (to := self.other()) is not None:
+            to.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.resume_reading()
+        if (to := self.other()) is not None:
+            to.resume_reading()
 
 
 def client_side(endpoints: Iterator[tuple[str, int]]) -> type[Relay]:
@@ -67,7 +78,8 @@ def client_side(endpoints: Iterator[tuple[str, int]]) -> type[Relay]:
     class Client(Relay):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
-            asyncio.get_running_loop().create_task(self.dial(next(endpoints)))
+            # Held: the loop keeps only a weak reference to a task.
+            self.dialing = asyncio.get_running_loop().create_task(self.dial(next(endpoints)))
 
         async def dial(self, endpoint: tuple[str, int]) -> None:
             assert self.transport is not None
@@ -79,11 +91,15 @@ def client_side(endpoints: Iterator[tuple[str, int]]) -> type[Relay]:
                 self.transport.close()
                 return
             assert backend.transport is not None
-            backend.transport.writelines(self.early)
-            self.early.clear()
-            self.peer = backend  # from now on straight through, after what came early
             if self.transport.is_closing():
                 backend.transport.close()
+                return
+            if self.early:
+                backend.transport.write(b"".join(self.early))
+                self.early.clear()
+            if self.eof and backend.transport.can_write_eof():
+                backend.transport.write_eof()
+            self.peer = backend  # from now on straight through, after what came early
 
     return Client
 
