@@ -76,7 +76,6 @@ class _Pool(EndpointPool):
         super().__init__(name)
         self.pool_id = pool_id
         self.worker = worker
-        self.last: tuple[tuple[Address, ...], float | None] | None = None
 
     def dial_failed(self, address: Address) -> None:
         super().dial_failed(address)
@@ -222,13 +221,15 @@ class Worker:
         changed: set[int] = set()
         for pool_id, (pool_name, addresses, timeout, proxy_protocol) in pools.items():
             pool = self._pools.get(pool_id)
+            new = pool is None
             if pool is None:
                 namespace, name, port, kind = pool_name
                 spn = ServicePortName(namespace, name, port, Protocol(kind))
                 pool = self._pools[pool_id] = _Pool(pool_id, spn, self)
             pool.proxy_protocol = proxy_protocol
-            if pool.last != (addresses, timeout):
-                pool.last = (addresses, timeout)
+            # Compared with what the pool holds: a copy of the table's entries kept to compare
+            # with was the table a second time in every worker (0.4 KiB a pool).
+            if pool.addresses != addresses or pool.affinity_timeout != timeout or new:
                 pool.update(
                     [Endpoint(ip, port) for ip, port in addresses], affinity_timeout=timeout
                 )
