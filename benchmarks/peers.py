@@ -1,8 +1,9 @@
-"""This proxy and its peers on one Service, in one run: kernel DNAT, HAProxy, nginx stream.
+"""This proxy and its peers on one Service, in one run: kernel DNAT, HAProxy, nginx stream,
+the Go userspace proxier and the minimal uvloop Protocol proxy.
 
 The testbed of `kernel_vs_userspace.py` (`testbed.py`: a client pod, a node and three nginx
 pods in network namespaces named with this pid, deleted afterwards) carries the same Service,
-with the same three pods, through five peers, each with its own ClusterIP and its own
+with the same three pods, through seven peers, each with its own ClusterIP and its own
 `--clients` client addresses (8: a node proxies for many pods, and this proxy's workers are
 chosen by client address; the client namespace SNATs its connections to them in turn):
 
@@ -11,14 +12,19 @@ chosen by client address; the client namespace SNATs its connections to them in 
   proxy-auto  `kube-userspace-proxy run` with the default `--workers auto` (N processes)
   haproxy     Debian's HAProxy, `mode tcp`, `balance roundrobin`, `nbthread N`
   nginx       Debian's nginx stream module, `worker_processes N`, round robin
+  go-userspace  kube-proxy's userspace data path in Go (`gouserspace/main.go`: dial ladder,
+              serial in the accept loop, two io.Copy loops), built with Debian's golang-go
+  protocol    the floor for a Python proxy: `protocolproxy.py`, one uvloop process,
+              asyncio.Protocol, round robin, pause/resume flow control
   tproxy-1, tproxy-auto   (only when named in --peers) proxy-1 and proxy-auto with
               `--preserve-source-ip`: every backend sees the client's own address
 
 N is what `--workers auto` resolves to here (the CPUs this process may run on, at most 4).
-HAProxy and nginx listen in the node namespace and get the ClusterIP's connections through a
-REDIRECT rule in PREROUTING, as this proxy does; each is started by this script, with its
-defaults otherwise (no splice in HAProxy, no reuseport in nginx). The bulk Service has one
-endpoint (pod-a's iperf3: its control and data connections must reach the same server).
+HAProxy, nginx, the Go proxier and the Protocol proxy listen in the node namespace and get
+the ClusterIP's connections through a REDIRECT rule in PREROUTING, as this proxy does; each is
+started by this script, with its defaults otherwise (no splice in HAProxy, no reuseport in
+nginx). The bulk Service has one endpoint (pod-a's iperf3: its control and data connections
+must reach the same server).
 
 Each round measures every peer in turn (order rotated each round), starting it first and
 stopping it afterwards, so only one peer's processes exist at a time:
@@ -38,8 +44,8 @@ whole path instead (wrk + nginx or iperf3 + the peer). The figures are medians o
 every figure is also a ratio to kernel DNAT (and to HAProxy). Output: `peers.md` (machine,
 settings, table), `peers.json` (every sample), `peers-ratios.png` and `peers-costs.png` in
 `--out` (quick runs: `peers-quick.*`). Needs root; installs what is missing (apt: haproxy,
-nginx-light, libnginx-mod-stream, wrk, iperf3; pip: the `bench` extra, matplotlib). About 4-6
-minutes (2 CPUs, busy); a round that would end after `--budget` seconds is not started.
+nginx-light, libnginx-mod-stream, wrk, iperf3, golang-go; pip: the `bench` extra, matplotlib).
+About 4-6 minutes (2 CPUs, busy); a round that would end after `--budget` seconds is not started.
 
     sudo .venv/bin/python benchmarks/peers.py [--quick] [--rounds 3] [--seconds 5]
         [--bulk-seconds 3] [--setup-count 1000] [--idle 9000] [--clients 8]
@@ -98,6 +104,8 @@ from tests.integration.netns import POD_PORT, PODS, available, stop, wait_for
 WORKERS = ProxyConfig(workers="auto").worker_count
 STREAM_MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"
 PACKAGES = {**TOOLS, "haproxy": "haproxy", STREAM_MODULE: "libnginx-mod-stream"}
+GO_PACKAGES = {"go": "golang-go"}  # only when the go-userspace peer runs
+BENCHMARKS = Path(__file__).resolve().parent
 
 HAPROXY_CONF = """\
 global
@@ -135,7 +143,7 @@ stream {{
 """
 
 # Short-lived children of a peer, left out of its sums.
-PEERS = ("kernel", "proxy-1", "proxy-auto", "haproxy", "nginx")
+PEERS = ("kernel", "proxy-1", "proxy-auto", "haproxy", "nginx", "go-userspace", "protocol")
 BASELINE_PEERS = ("base-1", "base-auto")  # with --baseline SRC: this proxy from another tree
 # Only when named in --peers: this proxy with --preserve-source-ip, every dial from the client's
 # address (the pods are on this node: --hostname-override names the node their slices name).
@@ -308,6 +316,55 @@ class NginxStream(Peer):
         wait_listening(bed, self.ports, self.proc, conf_dir / "error.log")
 
 
+def listen_args(ports: tuple[int, int]) -> list[str]:
+    """`LISTEN=ENDPOINT,...` arguments of the Go and the Protocol proxy: HTTP over the three
+    pods, bulk to pod-a's iperf3."""
+    web = ",".join(f"{ip}:{POD_PORT}" for ip in PODS.values())
+    return [f"0.0.0.0:{ports[0]}={web}", f"0.0.0.0:{ports[1]}={PODS['pod-a']}:{BULK_PORT}"]
+
+
+@dataclass
+class GoUserspace(Peer):
+    """kube-proxy's userspace data path in Go (benchmarks/gouserspace), built at first start."""
+
+    ports: tuple[int, int] = (40080, 40201)
+
+    def redirect(self) -> tuple[int, int]:
+        return self.ports
+
+    def start(self, bed: Testbed, tmp: Path) -> None:
+        binary = tmp / "gouserspace"
+        if not binary.exists():
+            cache = tmp / "go-cache"
+            env = {**os.environ, "GOCACHE": str(cache), "GOPATH": str(tmp / "go")}
+            env["GO111MODULE"] = "off"  # one file, no module: nothing to download
+            subprocess.run(
+                ["go", "build", "-o", str(binary), str(BENCHMARKS / "gouserspace" / "main.go")],
+                check=True,
+                env=env,
+                timeout=600,
+            )
+        log = tmp / "gouserspace.log"
+        self.proc = bed.node.popen([str(binary), *listen_args(self.ports)], log)
+        wait_listening(bed, self.ports, self.proc, log)
+
+
+@dataclass
+class ProtocolProxy(Peer):
+    """The minimal uvloop asyncio.Protocol proxy (benchmarks/protocolproxy.py), one process."""
+
+    ports: tuple[int, int] = (39080, 39201)
+
+    def redirect(self) -> tuple[int, int]:
+        return self.ports
+
+    def start(self, bed: Testbed, tmp: Path) -> None:
+        log = tmp / "protocolproxy.log"
+        script = str(BENCHMARKS / "protocolproxy.py")
+        self.proc = bed.node.popen([sys.executable, script, *listen_args(self.ports)], log)
+        wait_listening(bed, self.ports, self.proc, log)
+
+
 def wait_listening(
     bed: Testbed, ports: tuple[int, ...], proc: subprocess.Popen[bytes], log: Path
 ) -> None:
@@ -324,14 +381,15 @@ _TRANSPARENT = ("--preserve-source-ip", "--hostname-override", "node")
 
 
 def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[Peer]:
-    """The peers; peer i has ClusterIPs 10.96.0.1i (web) and .2i (bulk) and `clients` client
-    addresses from 10.244.1.(32 + 8i) up. `baseline`: also this proxy from that `src/`."""
+    """The peers; peer i has ClusterIPs 10.96.0.(10 + i) (web) and 10.96.1.(10 + i) (bulk) and
+    `clients` client addresses from 10.244.1.(32 + 8i) up. `baseline`: also this proxy from that
+    `src/`."""
     haproxy = version("haproxy", "-v").split(" - ")[0].replace("HAProxy version ", "HAProxy ")
     nginx = version("nginx", "-v").replace("nginx version: nginx/", "nginx ")
 
     def at(i: int) -> tuple[str, str, list[str]]:
         sources = [f"10.244.1.{32 + 8 * i + j}" for j in range(clients)]
-        return f"10.96.0.{10 + i}", f"10.96.0.{20 + i}", sources
+        return f"10.96.0.{10 + i}", f"10.96.1.{10 + i}", sources
 
     return [
         Peer("kernel", "kernel iptables DNAT", *at(0)),
@@ -345,10 +403,12 @@ def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[
         ),
         Haproxy("haproxy", f"{haproxy.split('-')[0]}, nbthread {WORKERS}", *at(3), threads=WORKERS),
         NginxStream("nginx", f"{nginx} stream, {WORKERS} workers", *at(4), workers=WORKERS),
+        GoUserspace("go-userspace", "Go userspace proxier (kube-proxy's data path)", *at(7)),
+        ProtocolProxy("protocol", "minimal uvloop Protocol proxy", *at(8)),
         ThisProxy(
             "tproxy-1",
             "this proxy, --workers 1 --preserve-source-ip",
-            *at(7),
+            *at(9),
             workers="1",
             backend=backend,
             extra=_TRANSPARENT,
@@ -356,7 +416,7 @@ def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[
         ThisProxy(
             "tproxy-auto",
             f"this proxy, --workers auto ({WORKERS}) --preserve-source-ip",
-            *at(8),
+            *at(10),
             workers="auto",
             backend=backend,
             extra=_TRANSPARENT,
@@ -556,6 +616,12 @@ def _mb(*keys: str) -> Callable[[dict[str, Any]], float | None]:
 FIGURES = (
     Figure("keepalive", "keep-alive requests/s", ",.0f", _get("keepalive", "rate")),
     Figure("newconn", "new connections/s", ",.0f", _get("newconn", "rate")),
+    Figure(
+        "p99",
+        "keep-alive latency p99, ms",
+        ".2f",
+        lambda s: None if (v := _get("keepalive", "p99_us")(s)) is None else v / 1000,
+    ),
     Figure("bulk1", "bulk, 1 stream, Gbit/s", ".1f", _get("bulk1", "gbit_s")),
     Figure("bulk4", "bulk, 4 streams, Gbit/s", ".1f", _get("bulk4", "gbit_s")),
     Figure("setup", "connection setup p50, µs", ",.0f", _get("setup", "p50_us")),
@@ -595,6 +661,9 @@ def _per_gib(sample: dict[str, Any], key: str) -> float | None:
     return sum(r[key] for r in runs) / (sum(r["bytes"] for r in runs) / GiB)
 
 
+REFERENCES = ("haproxy", "protocol", "go-userspace")
+
+
 def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per peer and figure: median, min, max over rounds; ratios of medians to kernel DNAT and
     to HAProxy; the setup p50 added over DNAT."""
@@ -630,18 +699,20 @@ def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
     for peer, entry in table.items():
         ratios: dict[str, float] = {}
-        haproxy: dict[str, float] = {}
         for fig in FIGURES:
-            mine = median(peer, fig.key)
             key = fig.key if fig.versus is None else f"{fig.key}_path"
             mine_k, kernel = median(peer, key), median("kernel", key)
             if mine_k is not None and kernel:
                 ratios[fig.key] = mine_k / kernel
-            other = median("haproxy", fig.key)
-            if mine is not None and other:
-                haproxy[fig.key] = mine / other
         entry["vs_kernel"] = ratios
-        entry["vs_haproxy"] = haproxy
+        # The proxy's own figures against HAProxy, the Protocol floor and the Go proxier.
+        for reference in REFERENCES:
+            versus: dict[str, float] = {}
+            for fig in FIGURES:
+                mine, other = median(peer, fig.key), median(reference, fig.key)
+                if mine is not None and other:
+                    versus[fig.key] = mine / other
+            entry[f"vs_{reference}"] = versus
         mine, kernel = median(peer, "setup"), median("kernel", "setup")
         if peer != "kernel" and mine is not None and kernel is not None:
             entry["setup_added_us"] = mine - kernel
@@ -735,6 +806,28 @@ def markdown(results: dict[str, Any]) -> str:
             ratio = results["peers"][peer]["vs_haproxy"].get(fig.key)
             cells.append("—" if ratio is None else f"{ratio:.2f}")
         lines.append(f"| {fig.label} | " + " | ".join(cells) + " |")
+    for reference, text in (
+        ("protocol", "the minimal Protocol proxy (the floor; own overhead is CPU per request)"),
+        ("go-userspace", "the Go userspace proxier (what this project replaces)"),
+    ):
+        if reference not in peers:
+            continue
+        mine = [p for p in peers if p.startswith(("proxy-", "base-"))]
+        lines += [
+            "",
+            f"Ratios to {text}:",
+            "",
+            "| figure | " + " | ".join(labels[p] for p in mine) + " |",
+            "|---|" + "---:|" * len(mine),
+        ]
+        for fig in FIGURES:
+            if fig.key == "processes":
+                continue
+            cells = []
+            for peer in mine:
+                ratio = results["peers"][peer].get(f"vs_{reference}", {}).get(fig.key)
+                cells.append("—" if ratio is None else f"{ratio:.2f}")
+            lines.append(f"| {fig.label} | " + " | ".join(cells) + " |")
     errors = {p: results["peers"][p]["errors"] for p in peers if results["peers"][p]["errors"]}
     lines += [
         "",
@@ -939,7 +1032,8 @@ def main() -> int:
     known = {*PEERS, *BASELINE_PEERS, *TRANSPARENT_PEERS}
     if wanted - known:
         parser.error(f"unknown peers {sorted(wanted - known)}; known: {', '.join(sorted(known))}")
-    reason = available() or install_missing(PACKAGES, extra="bench")
+    packages = {**PACKAGES, **(GO_PACKAGES if "go-userspace" in wanted else {})}
+    reason = available() or install_missing(packages, extra="bench")
     if reason:
         print(f"peers: {reason}", file=sys.stderr)
         return 2

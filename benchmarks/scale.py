@@ -23,7 +23,7 @@ histogram (scraped before and after; `histogram_quantile`), each beside the same
 measured just before the storm.
 
     sudo .venv/bin/python benchmarks/scale.py [--scenarios 1000x3,10000x3,10000x5]
-        [--changes 20] [--workers 1] [--quick]
+        [--changes 20] [--workers auto] [--quick]
     # the start-up alone, this tree against another checkout's src/, alternating, 3 runs each:
     sudo .venv/bin/python benchmarks/scale.py --scenarios 10000x3 --startup-only \
         --baseline OTHER_CHECKOUT/src --repeat 3
@@ -903,7 +903,9 @@ def main() -> int:
     parser.add_argument("--storm", type=float, default=10.0, help="storm length, seconds")
     parser.add_argument("--storm-rate", type=int, default=1000, help="endpoint changes/s")
     parser.add_argument("--start-deadline", type=float, default=180.0)
-    parser.add_argument("--workers", default="1", help="the proxy's --workers")
+    parser.add_argument(
+        "--workers", default="auto", help="the proxy's --workers (default auto, as the proxy's)"
+    )
     parser.add_argument("--quick", action="store_true", help="1,000 only, 5 changes, short")
     parser.add_argument(
         "--startup-only",

@@ -7,7 +7,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.model import Address, Endpoint, ServicePortName, SourcePolicy
@@ -142,6 +142,8 @@ def source_policy(client_cidrs: tuple[str, ...] | None) -> SourcePolicy | None:
 RECENT_PICKS = 32
 """Picks remembered per pool for /debug/ui (a power of two: the ring index is a mask)."""
 _RECENT_MASK = RECENT_PICKS - 1
+# A pool's rings before its first pick: writing to it raises TypeError (see `pick`).
+_NO_RING: Any = ()
 # Why an endpoint was picked (kept as ints in the ring; named only when viewed).
 ROUND_ROBIN, PINNED, RETRY, ALL_PENALIZED = 0, 1, 2, 3
 PICK_KINDS = ("round-robin", "affinity", "retry", "all-penalized")
@@ -264,8 +266,10 @@ class EndpointPool:
         self.picked: EndpointTally = _NOBODY
         """The tally of the endpoint the last pick() returned (read right after picking)."""
         # The last RECENT_PICKS picks, as a ring: which endpoint, and why (a PICK_KINDS index).
-        self._recent: list[EndpointTally] = [_NOBODY] * RECENT_PICKS
-        self._recent_kind: list[int] = [0] * RECENT_PICKS
+        # Made at the first pick (`_start_ring`): most of 10,000 pools are never picked from,
+        # and two rings cost 0.6 KiB a pool in every process that holds the pools.
+        self._recent: list[EndpointTally] = _NO_RING
+        self._recent_kind: list[int] = _NO_RING
         self._picks = 0
         self.proxy_protocol = 0
         """PROXY protocol version the data plane sends these endpoints first (0: none)."""
@@ -444,7 +448,11 @@ class EndpointPool:
             self._cursor = cursor + 1 if cursor + 1 < count else 0
             tally = self.picked = self._tallies[cursor]
             n = self._picks
-            self._recent[n & _RECENT_MASK] = tally
+            try:
+                self._recent[n & _RECENT_MASK] = tally
+            except TypeError:  # no ring yet: this is the first pick
+                self._start_ring()
+                self._recent[n & _RECENT_MASK] = tally
             self._recent_kind[n & _RECENT_MASK] = ROUND_ROBIN
             self._picks = n + 1
             return addresses[cursor]
@@ -469,9 +477,15 @@ class EndpointPool:
     def _record(self, address: Address, kind: int) -> None:
         tally = self.picked = self._tally_of.get(address, _NOBODY)
         n = self._picks
+        if self._recent is _NO_RING:
+            self._start_ring()
         self._recent[n & _RECENT_MASK] = tally
         self._recent_kind[n & _RECENT_MASK] = kind
         self._picks = n + 1
+
+    def _start_ring(self) -> None:
+        self._recent = [_NOBODY] * RECENT_PICKS
+        self._recent_kind = [0] * RECENT_PICKS
 
     def _next(self, addresses: tuple[Address, ...], count: int, now: float, retry: bool) -> Address:
         cursor = self._cursor

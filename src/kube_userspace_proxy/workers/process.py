@@ -77,7 +77,7 @@ class _Pool(EndpointPool):
         super().__init__(name, slot=worker.index, slots=worker.slots)
         self.pool_id = pool_id
         self.worker = worker
-        self.last: tuple[tuple[Address, ...], float | None, Transparency] | None = None
+        self.fresh = True
 
     def dial_failed(self, address: Address) -> None:
         super().dial_failed(address)
@@ -93,9 +93,15 @@ class _Pool(EndpointPool):
         """Take this pool's entry of a table or delta; whether its endpoints changed."""
         self.proxy_protocol = proxy_protocol
         self.source = source_policy(transparency[0])
-        if self.last == (addresses, timeout, transparency):
+        # Compared with what the pool holds: a copy of the table's entries kept to compare
+        # with was the table a second time in every worker (0.4 KiB a pool).
+        if not self.fresh and (addresses, timeout, transparency) == (
+            self.addresses,
+            self.affinity_timeout,
+            self.transparency,
+        ):
             return False
-        self.last = (addresses, timeout, transparency)
+        self.fresh = False
         endpoints = [Endpoint(ip, port) for ip, port in addresses]
         self.update(endpoints, affinity_timeout=timeout, local=frozenset(transparency[1]))
         return True

@@ -5,6 +5,7 @@
 - `watching`: list, then watch, as layered async generators (lines, events, one stream, a
   paginated list with its "listed" sentinel, and `follow` tying them to a resume `Cursor`).
 - `client`: the API client's configuration, credentials kept fresh, request observation.
+- `kubeapi`: kubernetes_asyncio's client and config without its ~800 generated modules.
 - `failures`: what can go wrong talking to the API server (410, error statuses, bad data).
 - `retry`: rate limit, backoff, Retry-After.
 - `manifests`: `ManifestSource`, YAML/JSON files reloaded when they change.

@@ -16,11 +16,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from kubernetes_asyncio import client as kclient
-from kubernetes_asyncio import config as kconfig
-
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.cluster.sources.failures import describe
+from kube_userspace_proxy.cluster.sources.kubeapi import kclient, kconfig
 from kube_userspace_proxy.errors import ConfigError
 
 log = logs.get(__name__)
@@ -56,7 +54,7 @@ async def load_client_configuration(
         configuration.host = master.rstrip("/")
     else:
         try:
-            kconfig.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            kconfig.load_incluster_config(client_configuration=configuration)
         except kconfig.ConfigException as exc:
             raise ConfigError(
                 "no --kubeconfig, $KUBECONFIG or --master given, and the in-cluster "

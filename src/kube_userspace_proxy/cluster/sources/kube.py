@@ -19,8 +19,6 @@ from collections.abc import Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
-from kubernetes_asyncio import client as kclient
-
 from kube_userspace_proxy import addresses, logs
 from kube_userspace_proxy.cluster.sink import Event, StateSink
 from kube_userspace_proxy.cluster.sources.client import (
@@ -37,6 +35,7 @@ from kube_userspace_proxy.cluster.sources.failures import (
     Expired,
     describe,
 )
+from kube_userspace_proxy.cluster.sources.kubeapi import kclient
 from kube_userspace_proxy.cluster.sources.retry import MAX_RETRY_AFTER, Backoff, RateLimiter
 from kube_userspace_proxy.cluster.sources.watching import (
     WATCH_READ_SLACK,
