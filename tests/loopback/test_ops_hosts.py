@@ -100,5 +100,5 @@ def test_the_flag_names_the_allowed_hosts_and_defaults_to_none(
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    start = text.index("--metrics-allowed-hosts METRICS_ALLOWED_HOSTS Host names")
-    assert "default: none" in text[start : text.index("--", start + 3)]
+    start = text.index("--metrics-allowed-hosts strings Host names")
+    assert "default [])" in text[start : text.index("--", start + 3)]
