@@ -277,25 +277,7 @@ class RestoreBackend:
         return contextlib.nullcontext()
 
     def _run(self, family: Family, tool: str, args: list[str], stdin: str | None = None) -> str:
-        exe = binary(family, self.mode, tool)
-        if exe is None:
-            name = f"{'ip6' if family == 6 else 'ip'}tables-{self.mode}{'-' if tool else ''}{tool}"
-            raise PortalsError(f"{name} missing")
-        try:
-            with _input(stdin) as fd:
-                done = subprocess.run(
-                    [exe, *args],
-                    stdin=fd,
-                    capture_output=True,
-                    text=True,
-                    timeout=TIMEOUT_SECONDS,
-                    check=False,
-                )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise PortalsError(f"{exe} failed: {exc}") from exc
-        if done.returncode != 0:
-            raise PortalsError(f"{exe} {' '.join(args)} failed: {done.stderr.strip()}")
-        return done.stdout
+        return run_tool(family, self.mode, tool, args, stdin)
 
     def tables(self, family: Family) -> frozenset[str]:
         if self.mode == "legacy":
@@ -422,3 +404,34 @@ class RestoreBackend:
                 if generation == before:  # only our commits happened since that read
                     self._known[key] = (generation + done, seen)
         return out
+
+
+def run_tool(
+    family: Family,
+    mode: str,
+    tool: str,
+    args: list[str],
+    stdin: str | None = None,
+    *,
+    timeout: float = TIMEOUT_SECONDS,
+) -> str:
+    """Run `ip(6)tables-MODE-TOOL ARGS` (stdin fed from a file); its output, or PortalsError."""
+    exe = binary(family, mode, tool)
+    if exe is None:
+        name = f"{'ip6' if family == 6 else 'ip'}tables-{mode}{'-' if tool else ''}{tool}"
+        raise PortalsError(f"{name} missing")
+    try:
+        with _input(stdin) as fd:
+            done = subprocess.run(
+                [exe, *args],
+                stdin=fd,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise PortalsError(f"{exe} failed: {exc}") from exc
+    if done.returncode != 0:
+        raise PortalsError(f"{exe} {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout

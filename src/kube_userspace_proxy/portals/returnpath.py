@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -31,7 +30,7 @@ from typing import Any, TypeVar
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.addresses import Family
 from kube_userspace_proxy.errors import PortalsError
-from kube_userspace_proxy.portals.restore import RestoreBackend, binary, legacy_tables
+from kube_userspace_proxy.portals.restore import RestoreBackend, binary, legacy_tables, run_tool
 
 log = logs.get(__name__)
 _T = TypeVar("_T")
@@ -138,23 +137,7 @@ class ReturnPath:
     # -- iptables -------------------------------------------------------------------------------
 
     def _run(self, family: Family, tool: str, args: list[str], stdin: str | None = None) -> str:
-        exe = binary(family, self.mode, tool)
-        if exe is None:
-            raise PortalsError(f"{'ip6' if family == 6 else 'ip'}tables-{self.mode}-{tool} missing")
-        try:
-            done = subprocess.run(
-                [exe, *args],
-                input=stdin,
-                capture_output=True,
-                text=True,
-                timeout=_TIMEOUT,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise PortalsError(f"{exe} failed: {exc}") from exc
-        if done.returncode != 0:
-            raise PortalsError(f"{exe} {' '.join(args)} failed: {done.stderr.strip()}")
-        return done.stdout
+        return run_tool(family, self.mode, tool, args, stdin, timeout=_TIMEOUT)
 
     def _mangle(self, family: Family) -> tuple[list[str], int, bool]:
         """Our chain's rules, how many jumps PREROUTING has into it, and whether it exists."""
