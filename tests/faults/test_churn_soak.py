@@ -13,6 +13,9 @@ import pytest
 
 from tests.faults.soak import run
 
+FD_SLACK = 8
+"""Descriptors the last window may hold beyond the first without counting as a leak."""
+
 
 @pytest.mark.timeout(180)
 async def test_stable_services_never_fail_and_the_footprint_stays_flat(tmp_path: Path) -> None:
@@ -24,6 +27,10 @@ async def test_stable_services_never_fail_and_the_footprint_stays_flat(tmp_path:
     assert result.failures == [], f"{len(result.failures)} failed: {result.failures[:5]}"
     rss_drift, fd_drift = result.drift()
     # Leak checks: growth fails, a footprint that shrinks (connections of the warm-up window
-    # finishing on a busy machine: descriptors 55 -> 40) does not.
+    # finishing on a busy machine: descriptors 55 -> 40) does not. A descriptor leaked per
+    # request or per churn event would add hundreds; a few connections still open when the
+    # last window is sampled on a busy machine add a few (40 -> 43 seen beside two CPU hogs),
+    # so the bound is the larger of 5 % and FD_SLACK descriptors.
     assert rss_drift <= 0.05, result.report()
-    assert fd_drift <= 0.05, result.report()
+    fd_first = result.window(True)[1]
+    assert fd_drift * fd_first <= max(0.05 * fd_first, FD_SLACK), result.report()
