@@ -3,7 +3,7 @@ the Go userspace proxier and the minimal uvloop Protocol proxy.
 
 The testbed of `kernel_vs_userspace.py` (`testbed.py`: a client pod, a node and three nginx
 pods in network namespaces named with this pid, deleted afterwards) carries the same Service,
-with the same three pods, through seven peers, each with its own ClusterIP and its own
+with the same three pods, through eight peers, each with its own ClusterIP and its own
 `--clients` client addresses (8: a node proxies for many pods, and this proxy's workers are
 chosen by client address; the client namespace SNATs its connections to them in turn):
 
@@ -11,6 +11,7 @@ chosen by client address; the client namespace SNATs its connections to them in 
   proxy-1     `kube-userspace-proxy run --workers 1` (its own REDIRECT rules)
   proxy-auto  `kube-userspace-proxy run` with the default `--workers auto` (N processes)
   haproxy     Debian's HAProxy, `mode tcp`, `balance roundrobin`, `nbthread N`
+  haproxy-1   the same with `nbthread 1` (one core, as `--workers 1`)
   nginx       Debian's nginx stream module, `worker_processes N`, round robin
   go-userspace  kube-proxy's userspace data path in Go (`gouserspace/main.go`: dial ladder,
               serial in the accept loop, two io.Copy loops), built with Debian's golang-go
@@ -143,7 +144,16 @@ stream {{
 """
 
 # Short-lived children of a peer, left out of its sums.
-PEERS = ("kernel", "proxy-1", "proxy-auto", "haproxy", "nginx", "go-userspace", "protocol")
+PEERS = (
+    "kernel",
+    "proxy-1",
+    "proxy-auto",
+    "haproxy",
+    "haproxy-1",
+    "nginx",
+    "go-userspace",
+    "protocol",
+)
 BASELINE_PEERS = ("base-1", "base-auto")  # with --baseline SRC: this proxy from another tree
 # Only when named in --peers: this proxy with --preserve-source-ip, every dial from the client's
 # address (the pods are on this node: --hostname-override names the node their slices name).
@@ -402,6 +412,7 @@ def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[
             backend=backend,
         ),
         Haproxy("haproxy", f"{haproxy.split('-')[0]}, nbthread {WORKERS}", *at(3), threads=WORKERS),
+        Haproxy("haproxy-1", f"{haproxy.split('-')[0]}, nbthread 1", *at(11), threads=1),
         NginxStream("nginx", f"{nginx} stream, {WORKERS} workers", *at(4), workers=WORKERS),
         GoUserspace("go-userspace", "Go userspace proxier (kube-proxy's data path)", *at(7)),
         ProtocolProxy("protocol", "minimal uvloop Protocol proxy", *at(8)),
