@@ -162,6 +162,10 @@ def running_cluster(tmp_path: Path, backend: str, workers: str) -> Iterator[Star
                 METRICS,
                 "--iptables-min-sync-period",
                 "100ms",
+                # Its own: the default /var/lib/kube-userspace-proxy would hand this test the
+                # previous test's served ports (and another run's handover socket).
+                "--state-dir",
+                str(tmp_path / "state"),
                 *(("--workers", workers) if workers != "default" else ()),
                 *extra,
             ]
