@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import socket
 from collections.abc import Callable
@@ -79,12 +80,14 @@ def _unlisten(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RD)
 
 
+@functools.lru_cache(maxsize=16)
 def keepalive_options(seconds: float, probes: int) -> tuple[tuple[int, int, int], ...]:
     """setsockopt triples for TCP keepalive: first probe after `seconds` idle, then one every
     `seconds`; after `probes` unanswered probes the kernel resets the connection.
 
     TCP_USER_TIMEOUT gets the same bound, so data left unacknowledged by a dead peer ends the
-    connection as surely as silence does. Empty when `seconds` <= 0 (keepalive off).
+    connection as surely as silence does. Empty when `seconds` <= 0 (keepalive off). One
+    object per value in a process (every listener of a worker holds it).
     """
     if seconds <= 0:
         return ()
@@ -141,30 +144,52 @@ class TcpListener:
         self.name = name or f"tcp:{self._address[1]}"
         # The kernel's probe count (net.ipv4.tcp_keepalive_probes of this namespace).
         probes = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
-        self.settings = Settings(
-            name=self.name,
-            dial_timeouts=dial_timeouts,
-            high_water=high_water,
-            low_water=high_water // 4,
-            keepalive=keepalive_options(keepalive, probes),
-            # Per-connection lines only at -v 4 and above; decided once, not per connection.
-            log_connections=log.isEnabledFor(logging.DEBUG),
-        )
+        self._keepalive = keepalive_options(keepalive, probes)
+        self._dial_timeouts = dial_timeouts
+        self._high_water = high_water
+        self._settings: Settings | None = None
         self._picker = picker
         self._stats = stats
         self._splice = splice
         self._backlog = backlog
         # Accepted sockets inherit these: keepalive costs no syscall per accepted connection.
-        for level, option, value in self.settings.keepalive:
+        for level, option, value in self._keepalive:
             sock.setsockopt(level, option, value)
+        # What connections share (`Settings`, `Shared`): made at the first connection, as most
+        # of a worker's 10,000 ports may never see one (0.5 KiB a port).
         self._shared: Shared | None = None
         self._listening = False  # listening, and registered with the loop
         self._resume: asyncio.TimerHandle | None = None  # accepting paused (no descriptors)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Told each time a listening socket joins the port (the socket) or leaves it (None):
-        # worker processes track the order of their port's reuseport group with it.
-        self.on_listen: Callable[[socket.socket | None], None] | None = None
+        # Told each time a listening socket joins the port (`key`, the socket) or leaves it
+        # (`key`, None): worker processes track the order of their port's reuseport group
+        # with it. `key` is the owner's name for this listener: one callback serves them all.
+        self.on_listen: Callable[[Any, socket.socket | None], None] | None = None
+        self.key: Any = None
+
+    @property
+    def settings(self) -> Settings:
+        """What every connection of this listener is configured with."""
+        settings = self._settings
+        if settings is None:
+            settings = self._settings = Settings(
+                name=self.name,
+                dial_timeouts=self._dial_timeouts,
+                high_water=self._high_water,
+                low_water=self._high_water // 4,
+                keepalive=self._keepalive,
+                # Per-connection lines only at -v 4 and above; decided once per listener.
+                log_connections=log.isEnabledFor(logging.DEBUG),
+            )
+        return settings
+
+    def _connections(self) -> Shared:
+        """The state this listener's connections share, made at the first one."""
+        shared = self._shared
+        if shared is None:
+            shared = self._shared = Shared(self.loop, self._picker, self._stats, self._splice)
+        return shared
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -202,7 +227,6 @@ class TcpListener:
         Raises OSError when the port cannot listen.
         """
         self._loop = loop = asyncio.get_running_loop()
-        self._shared = Shared(loop, self._picker, self._stats, self._splice)
         if self._adopted_listening and not self._closed:
             # Handed over listening: accept from it as it is (its backlog and its place in
             # the reuseport group are kept); without endpoints it refuses from now on.
@@ -250,15 +274,15 @@ class TcpListener:
         self._listening = True
         log.debug("%s: listening on %s", self.name, self._address)
         if self.on_listen is not None:
-            self.on_listen(sock)
+            self.on_listen(self.key, sock)
 
     def _accept(self) -> None:
         """The listening socket is readable: accept a burst of connections."""
         lsock = self._sock
-        shared = self._shared
-        if not self._listening or lsock is None or shared is None:
+        if not self._listening or lsock is None:
             return
-        settings = self.settings
+        shared = self._shared or self._connections()
+        settings = self._settings or self.settings
         # The raw accept: socket.accept() would build the family and type enums per call.
         accept = lsock._accept  # type: ignore[attr-defined]
         family = self._family
@@ -302,7 +326,7 @@ class TcpListener:
         _unlisten(sock)
         log.debug("%s: refusing on %s", self.name, self._address)
         if self.on_listen is not None:
-            self.on_listen(None)
+            self.on_listen(self.key, None)
 
     async def close(self) -> None:
         """Stop accepting and release the port; connections in flight go on to finish."""

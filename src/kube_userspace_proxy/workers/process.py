@@ -23,14 +23,21 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from sys import intern
 from typing import Any
 
 from kube_userspace_proxy import collector, fdpass, logs
-from kube_userspace_proxy.balancer import PINS_SHOWN, EndpointPool, Transparency, source_policy
+from kube_userspace_proxy.balancer import (
+    NO_LOCAL,
+    PINS_SHOWN,
+    EndpointPool,
+    Transparency,
+    source_policy,
+)
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
 from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.dataplane.tcp import is_listening
-from kube_userspace_proxy.model import Address, Endpoint, Protocol, ServicePortName, SocketKey
+from kube_userspace_proxy.model import Address, Protocol, ServicePortName, SocketKey
 from kube_userspace_proxy.workers import channel, protocol
 from kube_userspace_proxy.workers.protocol import (
     Adopt,
@@ -69,9 +76,34 @@ by the control process, in one turn of a loop (at 10,000 ports a report in one p
 the control process's loop for 70-235 ms of CPU)."""
 
 
+TRIM_AFTER = 1000
+"""Ports in a table or delta past which the worker gives its freed heap back (`release_heap`)."""
+
+
+def release_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim(0)); nothing
+    elsewhere. Reading and applying a large table frees megabytes (the decoded message, the
+    old listeners) that glibc keeps otherwise, between the objects that live on."""
+    global _trim
+    if _trim is None:
+        import ctypes  # noqa: PLC0415 - only once a large table has been applied
+
+        try:
+            _trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            _trim = False
+    if _trim:
+        _trim(0)
+
+
+_trim: Any = None
+
+
 class _Pool(EndpointPool):
     """An endpoint pool whose dial failures are also reported to the other workers; the
     worker's copy of its slot (`EndpointPool.take_slot`)."""
+
+    __slots__ = ("fresh", "pool_id", "worker")
 
     def __init__(self, pool_id: int, name: ServicePortName, worker: Worker) -> None:
         super().__init__(name, slot=worker.index, slots=worker.slots)
@@ -102,8 +134,13 @@ class _Pool(EndpointPool):
         ):
             return False
         self.fresh = False
-        endpoints = [Endpoint(ip, port) for ip, port in addresses]
-        self.update(endpoints, affinity_timeout=timeout, local=frozenset(transparency[1]))
+        # Interned: the table carries an address string per endpoint per pool, and pools
+        # share endpoints (a Service's ports, its cluster and external paths, shared pods).
+        self.take_addresses(
+            tuple([(intern(ip), port) for ip, port in addresses]),
+            affinity_timeout=timeout,
+            local=frozenset(transparency[1]) if transparency[1] else NO_LOCAL,
+        )
         return True
 
 
@@ -147,6 +184,8 @@ class Worker:
         self.udp_idle_timeout = 0.25
         self.tcp_keepalive = 15.0
         self._stopped = False
+        # Every TCP listener's `on_listen`: one bound method, not a closure per port.
+        self._on_listen = self._membership
         # Each message the control process sends, by its type: the method that takes it.
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
             Table: self._on_table,
@@ -173,22 +212,32 @@ class Worker:
                 log.error("worker %d: the control process is gone; stopping", self.index)
                 await self.drain(1.0)
                 return 1
-            try:
-                message = protocol.decode(frame)
-                handler = self._handlers[type(message)]
-            except (ValueError, KeyError) as exc:
-                log.error("worker %d: unknown message %r: %s", self.index, frame[0], exc)
-                continue
-            await handler(message)
+            await self._dispatch(frame)
+            # The table a frame holds is freed now, not once the next message has arrived
+            # (while the next table is being read, at worst).
+            del frame
         return 0
+
+    async def _dispatch(self, frame: tuple[Any, ...]) -> None:
+        try:
+            message = protocol.decode(frame)
+            handler = self._handlers[type(message)]
+        except (ValueError, KeyError) as exc:
+            log.error("worker %d: unknown message %r: %s", self.index, frame[0], exc)
+            return
+        await handler(message)
 
     async def _on_table(self, table: Table) -> None:
         with collector.held_off():  # what a whole table builds lives on (frozen)
             await self.apply(table)
+        if len(table.listeners) >= TRIM_AFTER:
+            release_heap()
 
     async def _on_delta(self, delta: Delta) -> None:
         with collector.held_off():  # the first one carries the whole table
             await self.apply_delta(delta)
+        if len(delta.listeners) + len(delta.removed) >= TRIM_AFTER:
+            release_heap()
 
     async def _on_ping(self, ping: Ping) -> None:
         """The control process checks that this loop runs."""
@@ -333,7 +382,8 @@ class Worker:
             listener = TcpListener(
                 sock, pool, stats, name=name, keepalive=self.tcp_keepalive, pinned=True
             )
-            listener.on_listen = lambda joined: self._membership(key, joined)
+            listener.key = key
+            listener.on_listen = self._on_listen
             await listener.start()
         else:
             self._membership(key, sock)
@@ -359,7 +409,8 @@ class Worker:
             listener = TcpListener(
                 sock, pool, stats, name=name, keepalive=self.tcp_keepalive, adopt=True
             )
-            listener.on_listen = lambda joined: self._membership(key, joined)
+            listener.key = key
+            listener.on_listen = self._on_listen
         else:
             self._group_socks[key] = sock
             listener = UdpListener(sock, pool, stats, name=name, idle_timeout=self.udp_idle_timeout)
