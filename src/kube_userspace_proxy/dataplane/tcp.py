@@ -100,6 +100,17 @@ def keepalive_options(seconds: float, probes: int) -> tuple[tuple[int, int, int]
     )
 
 
+@functools.lru_cache(maxsize=16)
+def _settings(
+    dial_timeouts: tuple[float, ...],
+    high_water: int,
+    keepalive: tuple[tuple[int, int, int], ...],
+    log_connections: bool,
+) -> Settings:
+    """The Settings of these values: one object for every listener configured alike."""
+    return Settings(dial_timeouts, high_water, high_water // 4, keepalive, log_connections)
+
+
 class TcpListener:
     """Serves one proxy port; refuses connections (RST) while the picker has no endpoints.
 
@@ -115,6 +126,29 @@ class TcpListener:
     SO_REUSEPORT and without SO_REUSEADDR, as a worker binds its listeners), used as it is:
     making another costs 4 system calls and a socket per port, 10,000 times at a start.
     """
+
+    __slots__ = (
+        "_address",
+        "_adopted_listening",
+        "_backlog",
+        "_closed",
+        "_dial_timeouts",
+        "_family",
+        "_high_water",
+        "_keepalive",
+        "_listening",
+        "_loop",
+        "_picker",
+        "_resume",
+        "_settings",
+        "_shared",
+        "_sock",
+        "_splice",
+        "_stats",
+        "key",
+        "name",
+        "on_listen",
+    )
 
     def __init__(
         self,
@@ -173,14 +207,10 @@ class TcpListener:
         """What every connection of this listener is configured with."""
         settings = self._settings
         if settings is None:
-            settings = self._settings = Settings(
-                name=self.name,
-                dial_timeouts=self._dial_timeouts,
-                high_water=self._high_water,
-                low_water=self._high_water // 4,
-                keepalive=self._keepalive,
-                # Per-connection lines only at -v 4 and above; decided once per listener.
-                log_connections=log.isEnabledFor(logging.DEBUG),
+            # Per-connection lines only at -v 4 and above; decided once per listener.
+            debug = log.isEnabledFor(logging.DEBUG)
+            settings = self._settings = _settings(
+                self._dial_timeouts, self._high_water, self._keepalive, debug
             )
         return settings
 
@@ -188,7 +218,9 @@ class TcpListener:
         """The state this listener's connections share, made at the first one."""
         shared = self._shared
         if shared is None:
-            shared = self._shared = Shared(self.loop, self._picker, self._stats, self._splice)
+            shared = self._shared = Shared(
+                self.loop, self._picker, self._stats, self._splice, self.name
+            )
         return shared
 
     @property

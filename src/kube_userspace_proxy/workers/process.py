@@ -76,29 +76,6 @@ by the control process, in one turn of a loop (at 10,000 ports a report in one p
 the control process's loop for 70-235 ms of CPU)."""
 
 
-TRIM_AFTER = 1000
-"""Ports in a table or delta past which the worker gives its freed heap back (`release_heap`)."""
-
-
-def release_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's malloc_trim(0)); nothing
-    elsewhere. Reading and applying a large table frees megabytes (the decoded message, the
-    old listeners) that glibc keeps otherwise, between the objects that live on."""
-    global _trim
-    if _trim is None:
-        import ctypes  # noqa: PLC0415 - only once a large table has been applied
-
-        try:
-            _trim = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):  # not glibc
-            _trim = False
-    if _trim:
-        _trim(0)
-
-
-_trim: Any = None
-
-
 class _Pool(EndpointPool):
     """An endpoint pool whose dial failures are also reported to the other workers; the
     worker's copy of its slot (`EndpointPool.take_slot`)."""
@@ -212,32 +189,23 @@ class Worker:
                 log.error("worker %d: the control process is gone; stopping", self.index)
                 await self.drain(1.0)
                 return 1
-            await self._dispatch(frame)
-            # The table a frame holds is freed now, not once the next message has arrived
-            # (while the next table is being read, at worst).
-            del frame
+            try:
+                message = protocol.decode(frame)
+                handler = self._handlers[type(message)]
+            except (ValueError, KeyError) as exc:
+                log.error("worker %d: unknown message %r: %s", self.index, frame[0], exc)
+                continue
+            await handler(message)
+            del frame, message  # a table is freed now, not once the next message has arrived
         return 0
-
-    async def _dispatch(self, frame: tuple[Any, ...]) -> None:
-        try:
-            message = protocol.decode(frame)
-            handler = self._handlers[type(message)]
-        except (ValueError, KeyError) as exc:
-            log.error("worker %d: unknown message %r: %s", self.index, frame[0], exc)
-            return
-        await handler(message)
 
     async def _on_table(self, table: Table) -> None:
         with collector.held_off():  # what a whole table builds lives on (frozen)
             await self.apply(table)
-        if len(table.listeners) >= TRIM_AFTER:
-            release_heap()
 
     async def _on_delta(self, delta: Delta) -> None:
         with collector.held_off():  # the first one carries the whole table
             await self.apply_delta(delta)
-        if len(delta.listeners) + len(delta.removed) >= TRIM_AFTER:
-            release_heap()
 
     async def _on_ping(self, ping: Ping) -> None:
         """The control process checks that this loop runs."""
@@ -374,9 +342,7 @@ class Worker:
         except BaseException:
             sock.close()
             raise
-        stats = self._stats.get(name)
-        if stats is None:
-            stats = self._stats[name] = ConnStats()
+        stats = self._stats_of(name)
         listener: TcpListener | UdpListener
         if kind == socket.SOCK_STREAM:
             listener = TcpListener(
