@@ -22,7 +22,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from sys import intern
 from typing import Any
 
@@ -76,6 +76,43 @@ by the control process, in one turn of a loop (at 10,000 ports a report in one p
 the control process's loop for 70-235 ms of CPU)."""
 
 
+class Addresses:
+    """One object per endpoint address, and per list of them, among a worker's pools.
+
+    The table carries an address (a tuple, its IP string, its port number) per endpoint per
+    pool, and pools share endpoints: a Service's ports, its cluster and external paths, pods
+    behind several Services. Kept for as long as a pool holds them: `prune` forgets the rest
+    once there are twice as many as after the last prune.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[Any, Any] = {}
+        self._floor = 1024
+
+    def one(self, addresses: tuple[Address, ...]) -> tuple[Address, ...]:
+        """The object equal to `addresses` that the worker holds already (made so if none)."""
+        known = self._known
+        shared: tuple[Address, ...] | None = known.get(addresses)
+        if shared is None:
+            items = []
+            for address in addresses:
+                one = known.get(address)
+                if one is None:
+                    ip, port = address
+                    one = (intern(ip), port)
+                    known[one] = one
+                items.append(one)
+            shared = tuple(items)
+            known[shared] = shared
+        return shared
+
+    def prune(self, pools: Iterable[EndpointPool]) -> None:
+        """Forget what no pool holds, if the count doubled since the last prune."""
+        if len(self._known) > 2 * self._floor:
+            self._known = {a: a for pool in pools for a in (pool.addresses, *pool.addresses)}
+            self._floor = max(1024, len(self._known))
+
+
 class _Pool(EndpointPool):
     """An endpoint pool whose dial failures are also reported to the other workers; the
     worker's copy of its slot (`EndpointPool.take_slot`)."""
@@ -111,10 +148,8 @@ class _Pool(EndpointPool):
         ):
             return False
         self.fresh = False
-        # Interned: the table carries an address string per endpoint per pool, and pools
-        # share endpoints (a Service's ports, its cluster and external paths, shared pods).
         self.take_addresses(
-            tuple([(intern(ip), port) for ip, port in addresses]),
+            self.worker.addresses.one(addresses),
             affinity_timeout=timeout,
             local=frozenset(transparency[1]) if transparency[1] else NO_LOCAL,
         )
@@ -147,6 +182,7 @@ class Worker:
         self._writer = writer
         self._served: dict[SocketKey, _Served] = {}
         self._pools: dict[int, _Pool] = {}
+        self.addresses = Addresses()
         self._stats: dict[str, ConnStats] = {}
         self._events: list[Membership] = []
         self._programs: dict[tuple[int, ...], bytes] = {}
@@ -277,6 +313,7 @@ class Worker:
                 pool = self._pools[pool_id] = _Pool(pool_id, spn, self)
             if pool.take(addresses, timeout, proxy_protocol, tp):
                 changed.add(pool_id)
+        self.addresses.prune(self._pools.values())
         return changed
 
     async def _drop(self, keys: Sequence[SocketKey]) -> None:
