@@ -116,7 +116,8 @@ class TcpListener:
 
     `sock` is a bound TCP socket (IPv4 or IPv6) that is not listening; the listener owns it
     from now on (replaced by its reservation, see `_reserve`) and closes it in `close()`.
-    `keepalive` (seconds, 0 = off) applies TCP
+    `stats` are the port's counters, or a function of `name` that gives them at the first
+    connection. `keepalive` (seconds, 0 = off) applies TCP
     keepalive and TCP_USER_TIMEOUT to both sides of every connection.
 
     `adopt`: `sock` is a reservation another proxy process handed over (`handover.py`), used
@@ -154,7 +155,7 @@ class TcpListener:
         self,
         sock: socket.socket,
         picker: Picker,
-        stats: ConnStats,
+        stats: ConnStats | Callable[[str], ConnStats],
         *,
         name: str = "",
         dial_timeouts: tuple[float, ...] = DIAL_TIMEOUTS,
@@ -183,7 +184,9 @@ class TcpListener:
         self._high_water = high_water
         self._settings: Settings | None = None
         self._picker = picker
-        self._stats = stats
+        # Or the function of the listener's name that gives them at the first connection (a
+        # worker's ports share one: the counters of a port never used are not made).
+        self._stats: ConnStats | Callable[[str], ConnStats] = stats
         self._splice = splice
         self._backlog = backlog
         # Accepted sockets inherit these: keepalive costs no syscall per accepted connection.
@@ -219,7 +222,7 @@ class TcpListener:
         shared = self._shared
         if shared is None:
             shared = self._shared = Shared(
-                self.loop, self._picker, self._stats, self._splice, self.name
+                self.loop, self._picker, self.stats, self._splice, self.name
             )
         return shared
 
@@ -241,7 +244,10 @@ class TcpListener:
 
     @property
     def stats(self) -> ConnStats:
-        return self._stats
+        stats = self._stats
+        if not isinstance(stats, ConnStats):
+            stats = self._stats = stats(self.name)
+        return stats
 
     @property
     def splice(self) -> bool:
@@ -325,7 +331,7 @@ class TcpListener:
                 return
             except OSError as exc:
                 if exc.errno in NO_DESCRIPTORS:
-                    self._stats.no_descriptors += 1
+                    self.stats.no_descriptors += 1
                     notices.no_descriptors(self.name, "accept", exc)
                     self._pause_accepting(lsock)
                     return

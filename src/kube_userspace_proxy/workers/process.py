@@ -197,8 +197,9 @@ class Worker:
         self.udp_idle_timeout = 0.25
         self.tcp_keepalive = 15.0
         self._stopped = False
-        # Every TCP listener's `on_listen`: one bound method, not a closure per port.
+        # Every TCP listener's `on_listen` and maker of counters: one bound method each.
         self._on_listen = self._membership
+        self._counters_of = self._stats_of
         # Each message the control process sends, by its type: the method that takes it.
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
             Table: self._on_table,
@@ -379,43 +380,41 @@ class Worker:
         except BaseException:
             sock.close()
             raise
-        stats = self._stats_of(name)
         listener: TcpListener | UdpListener
-        if kind == socket.SOCK_STREAM:
+        if kind == socket.SOCK_STREAM:  # its counters are made at its first connection
             listener = TcpListener(
-                sock, pool, stats, name=name, keepalive=self.tcp_keepalive, pinned=True
+                sock, pool, self._counters_of, name=name, keepalive=self.tcp_keepalive, pinned=True
             )
             listener.key = key
             listener.on_listen = self._on_listen
             await listener.start()
         else:
             self._membership(key, sock)
+            stats = self._stats_of(name)
             listener = UdpListener(sock, pool, stats, name=name, idle_timeout=self.udp_idle_timeout)
             await listener.start()
         return listener
 
     def _stats_of(self, name: str) -> ConnStats:
-        stats = self._stats.get(name)
-        if stats is None:
-            stats = self._stats[name] = ConnStats()
-        return stats
+        """The counters of the ports named `name`, made at the first ask."""
+        return self._stats.get(name) or self._stats.setdefault(name, ConnStats())
 
     async def _open_adopted(
         self, key: SocketKey, name: str, pool: _Pool, sock: socket.socket
     ) -> TcpListener | UdpListener:
         """Serve a handed-over socket: it keeps its place in the group (no join to report)."""
-        stats = self._stats_of(name)
         listener: TcpListener | UdpListener
         if sock.type == socket.SOCK_STREAM:
             if is_listening(sock):
                 self._group_socks[key] = sock
             listener = TcpListener(
-                sock, pool, stats, name=name, keepalive=self.tcp_keepalive, adopt=True
+                sock, pool, self._counters_of, name=name, keepalive=self.tcp_keepalive, adopt=True
             )
             listener.key = key
             listener.on_listen = self._on_listen
         else:
             self._group_socks[key] = sock
+            stats = self._stats_of(name)
             listener = UdpListener(sock, pool, stats, name=name, idle_timeout=self.udp_idle_timeout)
         await listener.start()
         return listener
