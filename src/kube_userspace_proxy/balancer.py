@@ -144,6 +144,13 @@ RECENT_PICKS = 32
 _RECENT_MASK = RECENT_PICKS - 1
 # A pool's rings before its first pick: writing to it raises TypeError (see `pick`).
 _NO_RING: Any = ()
+# What a pool holds before it needs it, shared by every pool: its pins, penalties and endpoint
+# counters before the first pin, penalty and pick. Never written to: each is replaced by a
+# dict of the pool's own when it gets its first entry (10,000 pools in a worker, most of
+# them never picked from, held 4 dicts and 3 tallies each: 1.3 KiB a pool).
+_NO_ENTRIES: dict[Any, Any] = {}
+NO_LOCAL: frozenset[Address] = frozenset()
+"""No endpoint runs on this node (`EndpointPool.update`'s `local`): one object for every pool."""
 # Why an endpoint was picked (kept as ints in the ring; named only when viewed).
 ROUND_ROBIN, PINNED, RETRY, ALL_PENALIZED = 0, 1, 2, 3
 PICK_KINDS = ("round-robin", "affinity", "retry", "all-penalized")
@@ -226,7 +233,37 @@ class EndpointPool:
 
     Each worker process holds its own copy of a pool: copy `slot` of `slots` starts its round
     robin `slot / slots` of the way round the endpoints, so the workers' first picks spread.
+
+    Slotted, and what only picking needs (the endpoints' tallies, the ring of recent picks) is
+    made at the first pick: a worker holds a pool per service port, 10,000 of them at scale.
     """
+
+    __slots__ = (
+        "__weakref__",  # the worker pool's publisher keys its pools weakly
+        "_addresses",
+        "_clock",
+        "_cursor",
+        "_fresh_at",
+        "_local",
+        "_penalties",
+        "_picks",
+        "_pin_used",
+        "_pinned",
+        "_recent",
+        "_recent_kind",
+        "_slot",
+        "_slots",
+        "_sweep_at",
+        "_tallies",
+        "_tally_of",
+        "_timeout",
+        "max_affinity_entries",
+        "name",
+        "penalty_seconds",
+        "picked",
+        "proxy_protocol",
+        "source",
+    )
 
     def __init__(
         self,
@@ -256,26 +293,29 @@ class EndpointPool:
         # ClientIP pins as two plain dicts (client -> endpoint, client -> last use) rather than
         # an object per client: hundreds of thousands of objects made every full pass of the
         # cyclic garbage collector walk them all (21 ms at 330,000 pins); strings, floats and
-        # the pool's own address tuples are not walked.
-        self._pinned: dict[str, Address] = {}
-        self._pin_used: dict[str, float] = {}
-        self._penalties: dict[Address, float] = {}  # address -> monotonic time it ends
+        # the pool's own address tuples are not walked. _NO_ENTRIES until the first pin.
+        self._pinned: dict[str, Address] = _NO_ENTRIES
+        self._pin_used: dict[str, float] = _NO_ENTRIES
+        # address -> monotonic time it ends; _NO_ENTRIES until the first penalty.
+        self._penalties: dict[Address, float] = _NO_ENTRIES
         self._sweep_at = min(1024, self.max_affinity_entries)
-        self._tallies: tuple[EndpointTally, ...] = ()  # parallel to _addresses
-        self._tally_of: dict[Address, EndpointTally] = {}
+        # Parallel to _addresses once the pool is in use (`_start_ring`); () and _NO_ENTRIES
+        # before: a pool's endpoints get their counters at its first pick (or dial failure).
+        self._tallies: tuple[EndpointTally, ...] = ()
+        self._tally_of: dict[Address, EndpointTally] = _NO_ENTRIES
         self.picked: EndpointTally = _NOBODY
         """The tally of the endpoint the last pick() returned (read right after picking)."""
-        # The last RECENT_PICKS picks, as a ring: which endpoint, and why (a PICK_KINDS index).
-        # Made at the first pick (`_start_ring`): most of 10,000 pools are never picked from,
-        # and two rings cost 0.6 KiB a pool in every process that holds the pools.
+        # The last RECENT_PICKS picks, as a ring: which endpoint, and why (a PICK_KINDS index,
+        # a byte). Made at the first pick (`_start_ring`): most of 10,000 pools are never
+        # picked from, and the rings cost 0.4 KiB a pool in every process that holds the pools.
         self._recent: list[EndpointTally] = _NO_RING
-        self._recent_kind: list[int] = _NO_RING
+        self._recent_kind: bytearray = _NO_RING
         self._picks = 0
         self.proxy_protocol = 0
         """PROXY protocol version the data plane sends these endpoints first (0: none)."""
         self.source: SourcePolicy | None = source
         """Transparent dialing (--preserve-source-ip) and the node's local clients; None: off."""
-        self._local: frozenset[Address] = frozenset()
+        self._local: frozenset[Address] = NO_LOCAL
         self.take_slot(slot, slots)
 
     # -- reading -------------------------------------------------------------------------------
@@ -345,6 +385,8 @@ class EndpointPool:
 
     def tallies(self) -> list[tuple[Address, tuple[int, int, int, int, int]]]:
         """Each usable endpoint's counters (see `EndpointTally.values`), in round-robin order."""
+        if self._recent is _NO_RING:  # never used: every counter is 0
+            return [(a, (0, 0, 0, 0, 0)) for a in self._addresses]
         return [(t.address, t.values()) for t in self._tallies]
 
     def recent_picks(self) -> list[tuple[Address, str]]:
@@ -371,7 +413,7 @@ class EndpointPool:
         endpoints: Sequence[Endpoint],
         *,
         affinity_timeout: float | None,
-        local: frozenset[Address] = frozenset(),
+        local: frozenset[Address] = NO_LOCAL,
     ) -> None:
         """Take a new endpoint list, the Service's current affinity timeout and which of the
         endpoints run on this node (`local`, see `on_node`).
@@ -380,10 +422,20 @@ class EndpointPool:
         surviving endpoints are kept and the new timeout applies to them at once.
         """
         addresses = tuple(dict.fromkeys(e.address for e in endpoints))
+        self.take_addresses(addresses, affinity_timeout=affinity_timeout, local=local)
+
+    def take_addresses(
+        self,
+        addresses: tuple[Address, ...],
+        *,
+        affinity_timeout: float | None,
+        local: frozenset[Address] = NO_LOCAL,
+    ) -> None:
+        """`update` with the usable endpoints' addresses already deduplicated, in order (a
+        worker takes them so from its table, without an `Endpoint` each)."""
         self._timeout = _normal_timeout(affinity_timeout)
-        if self._timeout is None:
-            self._pinned.clear()
-            self._pin_used.clear()
+        if self._timeout is None and self._pinned:
+            self._pinned = self._pin_used = _NO_ENTRIES
         if local != self._local:
             self._local = local
             for tally in self._tallies:
@@ -392,24 +444,31 @@ class EndpointPool:
             return
         old = self._addresses
         self._addresses = addresses
-        tally_of = self._tally_of
-        self._tally_of = {a: tally_of.get(a) or EndpointTally(a) for a in addresses}
-        for a, tally in self._tally_of.items():
-            tally.local = a in local
-        self._tallies = tuple(self._tally_of[a] for a in addresses)
+        if self._recent is not _NO_RING:
+            self._count(addresses)
         if self._picks == self._fresh_at:
             self._cursor = self._start(len(addresses))
         else:
             self._cursor = _carry_cursor(old, self._cursor, addresses)
         if not addresses:  # the order ends here: the next one starts at the slot's start
             self._fresh_at = self._picks
-        alive = set(addresses)
+        if self._pinned or self._penalties:
+            alive = set(addresses)
         if self._pinned:
             used = self._pin_used
             self._pinned = {c: a for c, a in self._pinned.items() if a in alive}
             self._pin_used = {c: used[c] for c in self._pinned}
         if self._penalties:
             self._penalties = {a: t for a, t in self._penalties.items() if a in alive}
+
+    def _count(self, addresses: tuple[Address, ...]) -> None:
+        """Give each of `addresses` its tally (kept from before while the address stays)."""
+        tally_of = self._tally_of
+        local = self._local
+        self._tally_of = {a: tally_of.get(a) or EndpointTally(a) for a in addresses}
+        for a, tally in self._tally_of.items():
+            tally.local = a in local
+        self._tallies = tuple(self._tally_of[a] for a in addresses)
 
     def take_slot(self, slot: int, slots: int) -> None:
         """Make this pool worker `slot`'s copy of `slots`; it starts there if it has not picked.
@@ -425,10 +484,14 @@ class EndpointPool:
 
     def dial_failed(self, address: Address) -> None:
         """Skip `address` for `penalty_seconds` (its dial just failed)."""
+        if self._recent is _NO_RING:
+            self._start_ring()
         tally = self._tally_of.get(address)
         if tally is not None:
             tally.dial_failures += 1
         if tally is not None and self.penalty_seconds > 0:
+            if self._penalties is _NO_ENTRIES:
+                self._penalties = {}
             self._penalties[address] = self._clock() + self.penalty_seconds
 
     def pick(self, client_ip: str, *, retry: bool = False) -> Address | None:
@@ -446,13 +509,13 @@ class EndpointPool:
             # Fast path: plain round robin, no clock read.
             cursor = self._cursor
             self._cursor = cursor + 1 if cursor + 1 < count else 0
-            tally = self.picked = self._tallies[cursor]
-            n = self._picks
             try:
-                self._recent[n & _RECENT_MASK] = tally
-            except TypeError:  # no ring yet: this is the first pick
+                tally = self.picked = self._tallies[cursor]
+            except IndexError:  # no tallies nor ring yet: this is the first pick
                 self._start_ring()
-                self._recent[n & _RECENT_MASK] = tally
+                tally = self.picked = self._tallies[cursor]
+            n = self._picks
+            self._recent[n & _RECENT_MASK] = tally
             self._recent_kind[n & _RECENT_MASK] = ROUND_ROBIN
             self._picks = n + 1
             return addresses[cursor]
@@ -475,17 +538,19 @@ class EndpointPool:
     # -- internals -----------------------------------------------------------------------------
 
     def _record(self, address: Address, kind: int) -> None:
-        tally = self.picked = self._tally_of.get(address, _NOBODY)
-        n = self._picks
         if self._recent is _NO_RING:
             self._start_ring()
+        tally = self.picked = self._tally_of.get(address, _NOBODY)
+        n = self._picks
         self._recent[n & _RECENT_MASK] = tally
         self._recent_kind[n & _RECENT_MASK] = kind
         self._picks = n + 1
 
     def _start_ring(self) -> None:
+        """The pool's first use: its rings of recent picks and its endpoints' tallies."""
         self._recent = [_NOBODY] * RECENT_PICKS
-        self._recent_kind = [0] * RECENT_PICKS
+        self._recent_kind = bytearray(RECENT_PICKS)
+        self._count(self._addresses)
 
     def _next(self, addresses: tuple[Address, ...], count: int, now: float, retry: bool) -> Address:
         cursor = self._cursor
@@ -517,7 +582,10 @@ class EndpointPool:
 
     def _pin(self, client_ip: str, address: Address, now: float, timeout: float) -> None:
         pinned = self._pinned
-        if client_ip not in pinned and len(pinned) >= self._sweep_at:
+        if pinned is _NO_ENTRIES:
+            pinned = self._pinned = {}
+            self._pin_used = {}
+        elif client_ip not in pinned and len(pinned) >= self._sweep_at:
             self._sweep(now, timeout)
             pinned = self._pinned
         # A re-pin keeps the client's place in the (creation) order the sweep drops from.

@@ -768,3 +768,31 @@ async def test_finished_connections_are_freed_without_the_cyclic_collector(
     finally:
         gc.enable()
         server.close()
+
+
+async def test_counters_given_by_a_function_are_made_at_the_first_connection(
+    tcp_backends: Backends, round_robin: Any, eventually: Eventually
+) -> None:
+    backend = await tcp_backends("name", "pod")
+    made: list[str] = []
+    counters = ConnStats()
+
+    def counters_of(name: str) -> ConnStats:
+        made.append(name)
+        return counters
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    listener = TcpListener(sock, round_robin(backend.address), counters_of, name="ns/web:http")
+    try:
+        await listener.start()
+        assert listener.accepting and made == []  # listening: no counters yet
+        assert await ask_name(listener.port) == "pod"
+        assert await ask_name(listener.port) == "pod"
+        assert made == ["ns/web:http"]
+        assert listener.stats is counters
+        await eventually(lambda: counters.completed == 2, what="both connections counted")
+        assert counters.accepted == 2
+    finally:
+        await listener.close()
+        await listener.drain(1.0)

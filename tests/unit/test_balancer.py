@@ -453,3 +453,41 @@ def test_picked_is_the_tally_of_the_endpoint_just_picked_and_survives_updates() 
         (("10.0.0.1", 8080), (0, 1, 100, 0, 0)),
         (("10.0.0.2", 8080), (0, 0, 0, 0, 1)),
     ]
+
+
+def test_a_pool_never_picked_from_reads_zeros_and_counts_from_its_first_pick() -> None:
+    pool = pool_of(eps(2))
+    pool.update(eps(3), affinity_timeout=None)
+    assert pool.tallies() == [((f"10.0.0.{i}", 8080), (0, 0, 0, 0, 0)) for i in (1, 2, 3)]
+    assert pool.recent_picks() == []
+    address = pool.pick("10.1.0.1")
+    assert pool.picked.address == address == ("10.0.0.1", 8080)
+    pool.picked.total += 1
+    assert pool.tallies()[0] == (("10.0.0.1", 8080), (0, 1, 0, 0, 0))
+    assert pool.recent_picks() == [(("10.0.0.1", 8080), "round-robin")]
+
+
+def test_a_dial_failure_before_any_pick_is_counted_and_penalizes() -> None:
+    clock = Clock()
+    pool = pool_of(eps(2), clock)
+    pool.dial_failed(("10.0.0.1", 8080))
+    assert pool.tallies()[0] == (("10.0.0.1", 8080), (0, 0, 0, 0, 1))
+    assert [a for a, _ in pool.penalized()] == [("10.0.0.1", 8080)]
+    assert [pool.pick("10.1.0.1") for _ in range(2)] == [("10.0.0.2", 8080)] * 2
+
+
+def test_pools_never_share_their_pins_penalties_or_tallies() -> None:
+    # Before their first entry, pools hold one shared empty dict for each: it must stay empty.
+    clock = Clock()
+    pinned, penalized, fresh = (pool_of(eps(2), clock, timeout=60) for _ in range(3))
+    pinned.pick("10.1.0.1")
+    penalized.dial_failed(("10.0.0.2", 8080))
+    counts = (pinned.affinity_count(), penalized.affinity_count(), fresh.affinity_count())
+    assert counts == (1, 0, 0)
+    assert fresh.penalized() == [] and pinned.penalized() == []
+    assert fresh.tallies() == [((f"10.0.0.{i}", 8080), (0, 0, 0, 0, 0)) for i in (1, 2)]
+    pinned.update(eps(2), affinity_timeout=None)  # affinity off: its pins go
+    assert pinned.affinity_count() == 0
+    pinned.update(eps(2), affinity_timeout=60)
+    assert pinned.pick("10.1.0.2") == pinned.pick("10.1.0.2")
+    assert (pinned.affinity_count(), fresh.affinity_count()) == (1, 0)

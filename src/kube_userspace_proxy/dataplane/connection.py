@@ -56,9 +56,9 @@ SocketOptions = tuple[tuple[int, int, int], ...]
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """What every connection of one listener is configured with (fixed for its lifetime)."""
+    """What every connection of a listener is configured with (fixed for its lifetime): a
+    value, shared by the listeners configured alike (the listener's name is in `Shared`)."""
 
-    name: str
     dial_timeouts: tuple[float, ...]
     high_water: int
     low_water: int
@@ -81,6 +81,7 @@ class Shared:
         "conns",
         "idle",
         "loop",
+        "name",
         "picker",
         "splice",
         "stats",
@@ -89,26 +90,35 @@ class Shared:
     )
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, picker: Picker, stats: ConnStats, splice: bool
+        self,
+        loop: asyncio.AbstractEventLoop,
+        picker: Picker,
+        stats: ConnStats,
+        splice: bool,
+        name: str = "",
     ) -> None:
         self.loop = loop
+        self.name = name  # the listener's, for log lines
         self.picker = picker
         self.stats = stats
         self.splice = splice  # cleared for good once splice(2) proves unusable here
         self.conns: set[Connection] = set()
         self.idle: asyncio.Future[None] | None = None  # set while drain() waits
-        # Dialed in the last KEEPALIVE_DELAY seconds, keepalive not yet set; and its timer.
-        self.young: list[Connection] = []
+        # Dialed in the last KEEPALIVE_DELAY seconds, keepalive not yet set (a list while the
+        # timer runs); and its timer.
+        self.young: list[Connection] | None = None
         self.sweep: asyncio.TimerHandle | None = None
 
     def keep_alive(self, conn: Connection) -> None:
         """Set keepalive on `conn`'s dialed socket within KEEPALIVE_DELAY, if it lives."""
-        self.young.append(conn)
-        if self.sweep is None:
+        if self.young is None:
+            self.young = [conn]
             self.sweep = self.loop.call_later(KEEPALIVE_DELAY, self._sweep)
+        else:
+            self.young.append(conn)
 
     def _sweep(self) -> None:
-        young, self.young = self.young, []
+        young, self.young = self.young or [], None
         self.sweep = None
         for conn in young:
             b = conn.backend
@@ -239,7 +249,7 @@ class Connection(asyncio.Protocol):
         except OSError as exc:  # e.g. the loop could not register the socket
             sock.close()
             self.dial = None
-            log.debug("%s: cannot serve an accepted connection: %r", self.settings.name, exc)
+            log.debug("%s: cannot serve an accepted connection: %r", self.shared.name, exc)
             return
         await self._dial(client_ip)
 
@@ -309,7 +319,7 @@ class Connection(asyncio.Protocol):
             self.ep.active -= 1
             if self.settings.log_connections:
                 log.debug(
-                    "%s: %s closed (%s)", self.settings.name, _peer(self.transport), exc or "normal"
+                    "%s: %s closed (%s)", self.shared.name, _peer(self.transport), exc or "normal"
                 )
             if not b.transport.is_closing():
                 if exc is None and self.in_done and self.out_done:
@@ -359,13 +369,13 @@ class Connection(asyncio.Protocol):
                 elif isinstance(exc, OSError) and exc.errno in NO_DESCRIPTORS:
                     # This process is out of descriptors: the endpoint is not at fault.
                     stats.no_descriptors += 1
-                    notices.no_descriptors(settings.name, "dial", exc)
+                    notices.no_descriptors(self.shared.name, "dial", exc)
                     break
                 elif not isinstance(exc, OSError):  # e.g. a malformed address from the picker
-                    log.warning("%s: cannot dial %r: %r", settings.name, address, exc)
+                    log.warning("%s: cannot dial %r: %r", self.shared.name, address, exc)
                 stats.dial_failures += 1
                 picker.dial_failed(address)
-                log.debug("%s: dial %s failed: %r", settings.name, address, exc)
+                log.debug("%s: dial %s failed: %r", self.shared.name, address, exc)
                 if self.transport.is_closing():
                     return
                 next_address = picker.pick(client_ip, retry=True)
@@ -408,7 +418,7 @@ class Connection(asyncio.Protocol):
         if self.settings.log_connections:
             log.debug(
                 "%s: %s -> %s",
-                self.settings.name,
+                self.shared.name,
                 _peer(self.transport),
                 _peer(b.transport),
             )
@@ -553,12 +563,12 @@ class Connection(asyncio.Protocol):
         if self.shared.splice:
             self.shared.splice = False
             log.info(
-                "%s: os.splice is not usable here (%s); copying instead", self.settings.name, exc
+                "%s: os.splice is not usable here (%s); copying instead", self.shared.name, exc
             )
         return True
 
     def _splice_error(self, exc: OSError) -> None:
-        log.debug("%s: splice failed: %r", self.settings.name, exc)
+        log.debug("%s: splice failed: %r", self.shared.name, exc)
         self.abort()
 
     def _stop_pumps(self) -> None:

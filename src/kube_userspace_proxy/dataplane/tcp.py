@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import socket
 from collections.abc import Callable
@@ -79,12 +80,14 @@ def _unlisten(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RD)
 
 
+@functools.lru_cache(maxsize=16)
 def keepalive_options(seconds: float, probes: int) -> tuple[tuple[int, int, int], ...]:
     """setsockopt triples for TCP keepalive: first probe after `seconds` idle, then one every
     `seconds`; after `probes` unanswered probes the kernel resets the connection.
 
     TCP_USER_TIMEOUT gets the same bound, so data left unacknowledged by a dead peer ends the
-    connection as surely as silence does. Empty when `seconds` <= 0 (keepalive off).
+    connection as surely as silence does. Empty when `seconds` <= 0 (keepalive off). One
+    object per value in a process (every listener of a worker holds it).
     """
     if seconds <= 0:
         return ()
@@ -97,12 +100,24 @@ def keepalive_options(seconds: float, probes: int) -> tuple[tuple[int, int, int]
     )
 
 
+@functools.lru_cache(maxsize=16)
+def _settings(
+    dial_timeouts: tuple[float, ...],
+    high_water: int,
+    keepalive: tuple[tuple[int, int, int], ...],
+    log_connections: bool,
+) -> Settings:
+    """The Settings of these values: one object for every listener configured alike."""
+    return Settings(dial_timeouts, high_water, high_water // 4, keepalive, log_connections)
+
+
 class TcpListener:
     """Serves one proxy port; refuses connections (RST) while the picker has no endpoints.
 
     `sock` is a bound TCP socket (IPv4 or IPv6) that is not listening; the listener owns it
     from now on (replaced by its reservation, see `_reserve`) and closes it in `close()`.
-    `keepalive` (seconds, 0 = off) applies TCP
+    `stats` are the port's counters, or a function of `name` that gives them at the first
+    connection. `keepalive` (seconds, 0 = off) applies TCP
     keepalive and TCP_USER_TIMEOUT to both sides of every connection.
 
     `adopt`: `sock` is a reservation another proxy process handed over (`handover.py`), used
@@ -113,11 +128,34 @@ class TcpListener:
     making another costs 4 system calls and a socket per port, 10,000 times at a start.
     """
 
+    __slots__ = (
+        "_address",
+        "_adopted_listening",
+        "_backlog",
+        "_closed",
+        "_dial_timeouts",
+        "_family",
+        "_high_water",
+        "_keepalive",
+        "_listening",
+        "_loop",
+        "_picker",
+        "_resume",
+        "_settings",
+        "_shared",
+        "_sock",
+        "_splice",
+        "_stats",
+        "key",
+        "name",
+        "on_listen",
+    )
+
     def __init__(
         self,
         sock: socket.socket,
         picker: Picker,
-        stats: ConnStats,
+        stats: ConnStats | Callable[[str], ConnStats],
         *,
         name: str = "",
         dial_timeouts: tuple[float, ...] = DIAL_TIMEOUTS,
@@ -141,30 +179,52 @@ class TcpListener:
         self.name = name or f"tcp:{self._address[1]}"
         # The kernel's probe count (net.ipv4.tcp_keepalive_probes of this namespace).
         probes = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
-        self.settings = Settings(
-            name=self.name,
-            dial_timeouts=dial_timeouts,
-            high_water=high_water,
-            low_water=high_water // 4,
-            keepalive=keepalive_options(keepalive, probes),
-            # Per-connection lines only at -v 4 and above; decided once, not per connection.
-            log_connections=log.isEnabledFor(logging.DEBUG),
-        )
+        self._keepalive = keepalive_options(keepalive, probes)
+        self._dial_timeouts = dial_timeouts
+        self._high_water = high_water
+        self._settings: Settings | None = None
         self._picker = picker
-        self._stats = stats
+        # Or the function of the listener's name that gives them at the first connection (a
+        # worker's ports share one: the counters of a port never used are not made).
+        self._stats: ConnStats | Callable[[str], ConnStats] = stats
         self._splice = splice
         self._backlog = backlog
         # Accepted sockets inherit these: keepalive costs no syscall per accepted connection.
-        for level, option, value in self.settings.keepalive:
+        for level, option, value in self._keepalive:
             sock.setsockopt(level, option, value)
+        # What connections share (`Settings`, `Shared`): made at the first connection, as most
+        # of a worker's 10,000 ports may never see one (0.5 KiB a port).
         self._shared: Shared | None = None
         self._listening = False  # listening, and registered with the loop
         self._resume: asyncio.TimerHandle | None = None  # accepting paused (no descriptors)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Told each time a listening socket joins the port (the socket) or leaves it (None):
-        # worker processes track the order of their port's reuseport group with it.
-        self.on_listen: Callable[[socket.socket | None], None] | None = None
+        # Told each time a listening socket joins the port (`key`, the socket) or leaves it
+        # (`key`, None): worker processes track the order of their port's reuseport group
+        # with it. `key` is the owner's name for this listener: one callback serves them all.
+        self.on_listen: Callable[[Any, socket.socket | None], None] | None = None
+        self.key: Any = None
+
+    @property
+    def settings(self) -> Settings:
+        """What every connection of this listener is configured with."""
+        settings = self._settings
+        if settings is None:
+            # Per-connection lines only at -v 4 and above; decided once per listener.
+            debug = log.isEnabledFor(logging.DEBUG)
+            settings = self._settings = _settings(
+                self._dial_timeouts, self._high_water, self._keepalive, debug
+            )
+        return settings
+
+    def _connections(self) -> Shared:
+        """The state this listener's connections share, made at the first one."""
+        shared = self._shared
+        if shared is None:
+            shared = self._shared = Shared(
+                self.loop, self._picker, self.stats, self._splice, self.name
+            )
+        return shared
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -184,7 +244,10 @@ class TcpListener:
 
     @property
     def stats(self) -> ConnStats:
-        return self._stats
+        stats = self._stats
+        if not isinstance(stats, ConnStats):
+            stats = self._stats = stats(self.name)
+        return stats
 
     @property
     def splice(self) -> bool:
@@ -202,7 +265,6 @@ class TcpListener:
         Raises OSError when the port cannot listen.
         """
         self._loop = loop = asyncio.get_running_loop()
-        self._shared = Shared(loop, self._picker, self._stats, self._splice)
         if self._adopted_listening and not self._closed:
             # Handed over listening: accept from it as it is (its backlog and its place in
             # the reuseport group are kept); without endpoints it refuses from now on.
@@ -250,15 +312,15 @@ class TcpListener:
         self._listening = True
         log.debug("%s: listening on %s", self.name, self._address)
         if self.on_listen is not None:
-            self.on_listen(sock)
+            self.on_listen(self.key, sock)
 
     def _accept(self) -> None:
         """The listening socket is readable: accept a burst of connections."""
         lsock = self._sock
-        shared = self._shared
-        if not self._listening or lsock is None or shared is None:
+        if not self._listening or lsock is None:
             return
-        settings = self.settings
+        shared = self._shared or self._connections()
+        settings = self._settings or self.settings
         # The raw accept: socket.accept() would build the family and type enums per call.
         accept = lsock._accept  # type: ignore[attr-defined]
         family = self._family
@@ -269,7 +331,7 @@ class TcpListener:
                 return
             except OSError as exc:
                 if exc.errno in NO_DESCRIPTORS:
-                    self._stats.no_descriptors += 1
+                    self.stats.no_descriptors += 1
                     notices.no_descriptors(self.name, "accept", exc)
                     self._pause_accepting(lsock)
                     return
@@ -302,7 +364,7 @@ class TcpListener:
         _unlisten(sock)
         log.debug("%s: refusing on %s", self.name, self._address)
         if self.on_listen is not None:
-            self.on_listen(None)
+            self.on_listen(self.key, None)
 
     async def close(self) -> None:
         """Stop accepting and release the port; connections in flight go on to finish."""

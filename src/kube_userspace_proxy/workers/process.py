@@ -22,15 +22,22 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from sys import intern
 from typing import Any
 
 from kube_userspace_proxy import collector, fdpass, logs
-from kube_userspace_proxy.balancer import PINS_SHOWN, EndpointPool, Transparency, source_policy
+from kube_userspace_proxy.balancer import (
+    NO_LOCAL,
+    PINS_SHOWN,
+    EndpointPool,
+    Transparency,
+    source_policy,
+)
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
 from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.dataplane.tcp import is_listening
-from kube_userspace_proxy.model import Address, Endpoint, Protocol, ServicePortName, SocketKey
+from kube_userspace_proxy.model import Address, Protocol, ServicePortName, SocketKey
 from kube_userspace_proxy.workers import channel, protocol
 from kube_userspace_proxy.workers.protocol import (
     Adopt,
@@ -69,9 +76,48 @@ by the control process, in one turn of a loop (at 10,000 ports a report in one p
 the control process's loop for 70-235 ms of CPU)."""
 
 
+class Addresses:
+    """One object per endpoint address, and per list of them, among a worker's pools.
+
+    The table carries an address (a tuple, its IP string, its port number) per endpoint per
+    pool, and pools share endpoints: a Service's ports, its cluster and external paths, pods
+    behind several Services. Kept for as long as a pool holds them: `prune` forgets the rest
+    once there are twice as many as after the last prune.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[Any, Any] = {}
+        self._floor = 1024
+
+    def one(self, addresses: tuple[Address, ...]) -> tuple[Address, ...]:
+        """The object equal to `addresses` that the worker holds already (made so if none)."""
+        known = self._known
+        shared: tuple[Address, ...] | None = known.get(addresses)
+        if shared is None:
+            items = []
+            for address in addresses:
+                one = known.get(address)
+                if one is None:
+                    ip, port = address
+                    one = (intern(ip), port)
+                    known[one] = one
+                items.append(one)
+            shared = tuple(items)
+            known[shared] = shared
+        return shared
+
+    def prune(self, pools: Iterable[EndpointPool]) -> None:
+        """Forget what no pool holds, if the count doubled since the last prune."""
+        if len(self._known) > 2 * self._floor:
+            self._known = {a: a for pool in pools for a in (pool.addresses, *pool.addresses)}
+            self._floor = max(1024, len(self._known))
+
+
 class _Pool(EndpointPool):
     """An endpoint pool whose dial failures are also reported to the other workers; the
     worker's copy of its slot (`EndpointPool.take_slot`)."""
+
+    __slots__ = ("fresh", "pool_id", "worker")
 
     def __init__(self, pool_id: int, name: ServicePortName, worker: Worker) -> None:
         super().__init__(name, slot=worker.index, slots=worker.slots)
@@ -102,8 +148,11 @@ class _Pool(EndpointPool):
         ):
             return False
         self.fresh = False
-        endpoints = [Endpoint(ip, port) for ip, port in addresses]
-        self.update(endpoints, affinity_timeout=timeout, local=frozenset(transparency[1]))
+        self.take_addresses(
+            self.worker.addresses.one(addresses),
+            affinity_timeout=timeout,
+            local=frozenset(transparency[1]) if transparency[1] else NO_LOCAL,
+        )
         return True
 
 
@@ -133,6 +182,7 @@ class Worker:
         self._writer = writer
         self._served: dict[SocketKey, _Served] = {}
         self._pools: dict[int, _Pool] = {}
+        self.addresses = Addresses()
         self._stats: dict[str, ConnStats] = {}
         self._events: list[Membership] = []
         self._programs: dict[tuple[int, ...], bytes] = {}
@@ -147,6 +197,9 @@ class Worker:
         self.udp_idle_timeout = 0.25
         self.tcp_keepalive = 15.0
         self._stopped = False
+        # Every TCP listener's `on_listen` and maker of counters: one bound method each.
+        self._on_listen = self._membership
+        self._counters_of = self._stats_of
         # Each message the control process sends, by its type: the method that takes it.
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
             Table: self._on_table,
@@ -180,6 +233,7 @@ class Worker:
                 log.error("worker %d: unknown message %r: %s", self.index, frame[0], exc)
                 continue
             await handler(message)
+            del frame, message  # a table is freed now, not once the next message has arrived
         return 0
 
     async def _on_table(self, table: Table) -> None:
@@ -260,6 +314,7 @@ class Worker:
                 pool = self._pools[pool_id] = _Pool(pool_id, spn, self)
             if pool.take(addresses, timeout, proxy_protocol, tp):
                 changed.add(pool_id)
+        self.addresses.prune(self._pools.values())
         return changed
 
     async def _drop(self, keys: Sequence[SocketKey]) -> None:
@@ -325,43 +380,41 @@ class Worker:
         except BaseException:
             sock.close()
             raise
-        stats = self._stats.get(name)
-        if stats is None:
-            stats = self._stats[name] = ConnStats()
         listener: TcpListener | UdpListener
-        if kind == socket.SOCK_STREAM:
+        if kind == socket.SOCK_STREAM:  # its counters are made at its first connection
             listener = TcpListener(
-                sock, pool, stats, name=name, keepalive=self.tcp_keepalive, pinned=True
+                sock, pool, self._counters_of, name=name, keepalive=self.tcp_keepalive, pinned=True
             )
-            listener.on_listen = lambda joined: self._membership(key, joined)
+            listener.key = key
+            listener.on_listen = self._on_listen
             await listener.start()
         else:
             self._membership(key, sock)
+            stats = self._stats_of(name)
             listener = UdpListener(sock, pool, stats, name=name, idle_timeout=self.udp_idle_timeout)
             await listener.start()
         return listener
 
     def _stats_of(self, name: str) -> ConnStats:
-        stats = self._stats.get(name)
-        if stats is None:
-            stats = self._stats[name] = ConnStats()
-        return stats
+        """The counters of the ports named `name`, made at the first ask."""
+        return self._stats.get(name) or self._stats.setdefault(name, ConnStats())
 
     async def _open_adopted(
         self, key: SocketKey, name: str, pool: _Pool, sock: socket.socket
     ) -> TcpListener | UdpListener:
         """Serve a handed-over socket: it keeps its place in the group (no join to report)."""
-        stats = self._stats_of(name)
         listener: TcpListener | UdpListener
         if sock.type == socket.SOCK_STREAM:
             if is_listening(sock):
                 self._group_socks[key] = sock
             listener = TcpListener(
-                sock, pool, stats, name=name, keepalive=self.tcp_keepalive, adopt=True
+                sock, pool, self._counters_of, name=name, keepalive=self.tcp_keepalive, adopt=True
             )
-            listener.on_listen = lambda joined: self._membership(key, joined)
+            listener.key = key
+            listener.on_listen = self._on_listen
         else:
             self._group_socks[key] = sock
+            stats = self._stats_of(name)
             listener = UdpListener(sock, pool, stats, name=name, idle_timeout=self.udp_idle_timeout)
         await listener.start()
         return listener
