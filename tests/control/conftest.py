@@ -20,6 +20,7 @@ import pytest
 from kube_userspace_proxy.cluster.sources.kube import KubeSource
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.model import Endpoint, ServicePortName, Snapshot
+from tests import polling
 from tests.fakes.apiserver import FakeApiServer
 
 NODE = "node-1"
@@ -121,15 +122,9 @@ def ips_of(snapshot: Snapshot, name: str, namespace: str = "default") -> set[str
 async def eventually(
     check: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition"
 ) -> Any:
-    """Poll `check` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
+    """Poll `check` until it returns something truthy; fail after `timeout` seconds (never
+    less than the suite's floor: tests/polling.py)."""
+    return await polling.eventually(check, what, timeout)
 
 
 @dataclass

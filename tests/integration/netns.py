@@ -26,10 +26,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests import polling
 
 NODE_IP = "10.244.0.1"
 NODE_IP6 = "fd00::1"
@@ -222,17 +223,9 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
             proc.wait(timeout)
 
 
-def wait_for(check: object, what: str, timeout: float = 60.0, interval: float = 0.05) -> None:
-    """Poll `check()` until it is truthy; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            if check():  # type: ignore[operator]
-                return
-        except (RuntimeError, OSError, ValueError) as exc:
-            last = exc
-        time.sleep(interval)
-    raise AssertionError(
-        f"timed out after {timeout}s waiting for {what}" + (f": {last}" if last else "")
-    )
+def wait_for(
+    check: Callable[[], object], what: str, timeout: float = 60.0, interval: float = 0.05
+) -> None:
+    """Poll `check()` until it is truthy; fail naming `what` after `timeout` seconds (never
+    less than the suite's floor: tests/polling.py)."""
+    polling.poll(check, what, timeout, interval, tolerate=(RuntimeError, OSError, ValueError))

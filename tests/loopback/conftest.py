@@ -23,6 +23,7 @@ import uvloop
 
 from kube_userspace_proxy.balancer import EndpointTally
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener
+from tests import polling
 
 DATAPLANE_FILES = {"test_tcp.py", "test_udp.py", "test_handover_paths.py"}
 LOOPS: Mapping[str, Callable[[], asyncio.AbstractEventLoop]] = {
@@ -46,12 +47,9 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
 async def _eventually(
     check: Callable[[], bool], *, timeout: float = 30.0, what: str = "condition"
 ) -> None:
-    """Poll `check` until it is true; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.005)
+    """Poll `check` until it is true; fail after `timeout` seconds (never less than the
+    suite's floor: tests/polling.py)."""
+    await polling.eventually(check, what, timeout, interval=0.005)
 
 
 @pytest.fixture

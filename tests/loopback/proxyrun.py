@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -13,6 +12,7 @@ import yaml
 
 from kube_userspace_proxy import app
 from kube_userspace_proxy.config.settings import ProxyConfig
+from tests import polling
 
 
 class NamedBackend(asyncio.Protocol):
@@ -102,15 +102,9 @@ def write_manifests(path: Path, objects: Iterable[dict[str, Any]]) -> None:
 
 
 async def wait_for(predicate: Callable[[], Any], seconds: float = 30.0, what: str = "") -> Any:
-    """Poll `predicate` until it returns something truthy or the deadline passes."""
-    deadline = time.monotonic() + seconds
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {seconds}s waiting for {what or predicate}")
-        await asyncio.sleep(0.02)
+    """Poll `predicate` until it returns something truthy or the deadline passes (never
+    sooner than the suite's floor: tests/polling.py)."""
+    return await polling.eventually(predicate, what or repr(predicate), seconds, interval=0.02)
 
 
 LOOPBACK_RUN_FLAGS = (

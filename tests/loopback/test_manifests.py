@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from kube_userspace_proxy.cluster.sources.manifests import ManifestSource
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.errors import ManifestError
 from kube_userspace_proxy.model import ServicePortName
+from tests import polling
 
 POLL = 0.05
 
@@ -67,11 +67,7 @@ def names(state: ClusterState) -> set[str]:
 
 
 async def eventually(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        await asyncio.sleep(0.01)
+    await polling.eventually(check, what, timeout)
 
 
 @pytest.fixture
