@@ -1,10 +1,10 @@
-"""Keeping N worker processes running: spawn, read, ping, restart, warm spare, reap.
+"""Keeping N worker processes running: fork, read, ping, restart, reap.
 
-Each worker is `python -m kube_userspace_proxy.workers.process` with one end of a socketpair
-(its channel). One more process waits as a warm spare: when a worker dies, the spare takes its
-slot at once (a fresh interpreter takes a few hundred milliseconds to start on a busy node),
-the owner gives it the current table, and a new spare is started in the background. A worker
-that dies again soon after its start is restarted after a growing delay.
+Each worker is forked by the fork server (`forkserver`), an interpreter that imported the data
+plane only, with one end of a socketpair (its channel): a worker shares that interpreter's pages
+and is ready in milliseconds. When a worker dies, a new one is forked for its slot and the owner
+gives it the current table; with `spare`, one more forked worker waits to take a slot at once.
+A worker that dies again soon after its start is restarted after a growing delay.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import asyncio
 import contextlib
 import itertools
 import socket
-import sys
 import time
 from collections.abc import Awaitable, Callable
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.workers import protocol
-from kube_userspace_proxy.workers.link import SPARE, Replies, WorkerLink
+from kube_userspace_proxy.workers.forking import ForkServer
+from kube_userspace_proxy.workers.link import SPARE, Replies, WorkerLink, WorkerProcess
 from kube_userspace_proxy.workers.protocol import (
     Adopted,
     Adopting,
@@ -62,9 +62,12 @@ class Supervisor:
         on_part: Callable[[WorkerLink, Collected], None],
         on_exit: Callable[[int], None],
         on_slot: Callable[[WorkerLink], Awaitable[None]],
+        spare: bool = True,
     ) -> None:
         self.count = count
-        self._argv = argv
+        self.forks = ForkServer(argv)
+        """The fork server every worker is forked from."""
+        self._keeps_spare = spare
         self._replies = replies
         self._on_part = on_part
         self._on_exit = on_exit
@@ -104,7 +107,11 @@ class Supervisor:
     # ---- starting ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start every worker and the spare; raises ProxyError when one cannot start."""
+        """Start every worker (and the spare); raises ProxyError when one cannot start."""
+        try:
+            await self.forks.start()
+        except OSError as exc:
+            raise ProxyError(f"the workers could not start: {exc}") from None
         started = await asyncio.gather(
             *(self._spawn(index) for index in range(self.count)), return_exceptions=True
         )
@@ -127,18 +134,10 @@ class Supervisor:
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CHANNEL_BUFFER)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CHANNEL_BUFFER)
         try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "kube_userspace_proxy.workers.process",
-                "--fd",
-                str(theirs.fileno()),
-                "--index",
-                str(index),
-                *self._argv,
-                pass_fds=(theirs.fileno(),),
-                stdin=asyncio.subprocess.DEVNULL,
-            )
+            process = await self.forks.fork(index, theirs)
+        except OSError as exc:
+            ours.close()
+            raise ProxyError(f"{what} could not start: {exc}") from None
         finally:
             theirs.close()
         try:
@@ -248,7 +247,7 @@ class Supervisor:
         await self._on_slot(worker)
 
     def _keep_spare(self) -> None:
-        if self.stopping or self._spare is not None:
+        if not self._keeps_spare or self.stopping or self._spare is not None:
             return
         if self._spare_task is not None and not self._spare_task.done():
             return
@@ -309,6 +308,7 @@ class Supervisor:
         for process in [*self._workers, self._spare]:
             if process is not None:
                 await self._end(process)
+        await self.forks.close()
 
     def abandon(self) -> None:
         """Kill every worker at once, leaving the sockets they hold untouched (a handover
@@ -318,6 +318,7 @@ class Supervisor:
             if worker is not None and worker.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     worker.process.kill()
+        self.forks.abandon()
 
 
 async def _hello(reader: asyncio.StreamReader) -> Hello:
@@ -328,8 +329,8 @@ async def _hello(reader: asyncio.StreamReader) -> Hello:
     return message
 
 
-async def reap(process: asyncio.subprocess.Process) -> int:
-    """Kill `process` if it still runs, and wait for its exit code."""
+async def reap(process: WorkerProcess) -> int | None:
+    """Kill `process` if it still runs, and wait for its exit code (None: unknown)."""
     if process.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             process.kill()
