@@ -113,7 +113,8 @@ def _fork(
         sock.close()
         os.close(wake_r)
         os.close(wake_w)
-        _set_title(f"worker {index}" if index >= 0 else "spare worker")
+        # A spare takes its slot later (`Become`): its title names none, and stays true.
+        _set_title(f"worker {index}" if index >= 0 else "worker")
         code = worker_process.main(["--fd", str(channel), "--index", str(index), *argv])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -133,7 +134,7 @@ def _set_title(what: str) -> None:
     inherited, which is longer; what `ps -ef` shows is read from that memory)."""
     with contextlib.suppress(OSError):
         with open("/proc/self/comm", "w") as comm:
-            comm.write(f"kup-{what.replace(' ', '-')}"[:15])
+            comm.write(f"kup-{what.replace(' ', '-')}"[:15])  # 15 bytes at most
         with open("/proc/self/stat") as stat:
             fields = stat.read().rpartition(")")[2].split()
         start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48, 49)
@@ -152,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--event-loop" not in args or args[args.index("--event-loop") + 1] == "uvloop":
         import uvloop  # noqa: F401, PLC0415 - shared with the workers that will use it
 
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+        comm.write("kup-forkserver")
     return serve(socket.socket(fileno=int(args[1])), args[2:])
 
 

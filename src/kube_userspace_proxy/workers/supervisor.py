@@ -44,6 +44,11 @@ CHANNEL_BUFFER = 4 * 1024 * 1024
 """Socket buffer of each channel end (a table of 10,000 ports is 1.5 MB)."""
 RESTART_DELAYS = (0.0, 0.25, 1.0, 2.0, 5.0)
 """Waits before restarting a worker that failed again soon after its start."""
+RECENT = 10.0
+"""Seconds after its start within which a worker's exit counts as failing again."""
+KEEP_SPARE = True
+"""Whether a forked spare waits to take the slot of a worker that dies (else one is forked
+when needed)."""
 
 
 class Supervisor:
@@ -62,12 +67,12 @@ class Supervisor:
         on_part: Callable[[WorkerLink, Collected], None],
         on_exit: Callable[[int], None],
         on_slot: Callable[[WorkerLink], Awaitable[None]],
-        spare: bool = True,
+        spare: bool | None = None,
     ) -> None:
         self.count = count
         self.forks = ForkServer(argv)
         """The fork server every worker is forked from."""
-        self._keeps_spare = spare
+        self._keeps_spare = KEEP_SPARE if spare is None else spare
         self._replies = replies
         self._on_part = on_part
         self._on_exit = on_exit
@@ -91,6 +96,10 @@ class Supervisor:
     def pids(self) -> list[int]:
         """The process IDs of the workers, in slot order (0 for a slot being replaced)."""
         return [w.process.pid if w is not None and w.ready else 0 for w in self._workers]
+
+    def spare_pid(self) -> int:
+        """The process ID of the warm spare (0 if none is ready)."""
+        return self._spare.process.pid if self._spare is not None else 0
 
     def stalest_answer(self) -> float:
         """Seconds since the worker whose event loop answered longest ago last answered."""
@@ -220,7 +229,7 @@ class Supervisor:
         log.error("worker %d exited unexpectedly (code %s); replacing it", index, code)
         self.restarts += 1
         self._workers[index] = None
-        recent = time.monotonic() - worker.started < 10
+        recent = time.monotonic() - worker.started < RECENT
         self._failures[index] = self._failures[index] + 1 if recent else 1
         if self._failures[index] > 1:  # crashing again: do not burn through processes
             await asyncio.sleep(RESTART_DELAYS[min(self._failures[index], len(RESTART_DELAYS)) - 1])
