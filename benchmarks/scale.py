@@ -833,8 +833,9 @@ def startup_table(results: list[dict[str, Any]]) -> str:
     all answering in each run, and this / baseline."""
     lines = [
         "| scenario | proxy | runs | first ClusterIP answering | all answering | each run"
-        " | ratio to baseline | sweep: proxy CPU | sweep: probe CPU |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|",
+        " | ratio to baseline | sweep: proxy CPU | sweep: probe CPU | RSS, all processes"
+        " | PSS, all processes |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
 
     def median(values: list[float]) -> float:
@@ -864,10 +865,12 @@ def startup_table(results: list[dict[str, Any]]) -> str:
             each = ", ".join(f"{a:.1f}" for a in alls)
             proxy_cpu = median([r.get("sweep_proxy_cpu_s") or float("nan") for r in runs])
             probe_cpu = median([r.get("sweep_probe_cpu_s") or float("nan") for r in runs])
+            rss = median([r.get("rss_mib") or float("nan") for r in runs])
+            pss = median([r.get("pss_mib") or float("nan") for r in runs])
             lines.append(
                 f"| {spec} | {variant} | {len(runs)} | {median(firsts):.2f} s "
                 f"| {medians[variant]:.2f} s | {each} | {ratio} | {proxy_cpu:.1f} s"
-                f" | {probe_cpu:.1f} s |"
+                f" | {probe_cpu:.1f} s | {rss:.0f} MiB | {pss:.0f} MiB |"
             )
     return "\n".join(lines)
 

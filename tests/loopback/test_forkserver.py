@@ -168,6 +168,7 @@ async def test_a_dead_fork_server_is_restarted_and_workers_are_still_replaced(
     assert pool.pids() == workers and pool.restarts == 0
     await _every_client_served(proxy)
     victim = 1
+    os.kill(workers[victim], signal.SIGKILL)  # forked by the first fork server
     new = await _slot_served_again(pool, victim, workers[victim])
     if supervisor.KEEP_SPARE:
         assert new == spare  # forked by the first fork server, it took the slot

@@ -27,6 +27,8 @@ PACKET = struct.Struct("!cii")
 READY, FORK, FORKED, FAILED, EXITED = b"R", b"F", b"P", b"E", b"X"
 START_TIMEOUT = 30.0
 """Seconds a new fork server has to import the data plane and say READY."""
+EXIT_REPORT_TIMEOUT = 5.0
+"""Seconds the fork server has to report the exit code of a worker seen to exit."""
 RESTART_DELAYS = (0.0, 0.25, 1.0, 2.0, 5.0)
 """Waits before starting the fork server again after it exited (the longest repeats)."""
 
@@ -54,7 +56,9 @@ class ForkedProcess:
         except ChildProcessError:
             if self.orphaned:
                 self.exited(None)
-            return  # the fork server reaps it and reports the code
+            else:  # the fork server reaps it and reports the code, unless it is stuck
+                self._loop.call_later(EXIT_REPORT_TIMEOUT, self.exited, None)
+            return
         if result is not None:
             self.exited(result.si_status if result.si_code == os.CLD_EXITED else -result.si_status)
 

@@ -3,7 +3,7 @@
 Each worker is forked by the fork server (`forkserver`), an interpreter that imported the data
 plane only, with one end of a socketpair (its channel): a worker shares that interpreter's pages
 and is ready in milliseconds. When a worker dies, a new one is forked for its slot and the owner
-gives it the current table; with `spare`, one more forked worker waits to take a slot at once.
+gives it the current table (with `spare`, one more forked worker waits to take a slot at once).
 A worker that dies again soon after its start is restarted after a growing delay.
 """
 
@@ -46,9 +46,11 @@ RESTART_DELAYS = (0.0, 0.25, 1.0, 2.0, 5.0)
 """Waits before restarting a worker that failed again soon after its start."""
 RECENT = 10.0
 """Seconds after its start within which a worker's exit counts as failing again."""
-KEEP_SPARE = True
-"""Whether a forked spare waits to take the slot of a worker that dies (else one is forked
-when needed)."""
+KEEP_SPARE = False
+"""Whether a forked spare waits to take the slot of a worker that dies. Off: a worker is forked
+when one is needed, in milliseconds; at 10,000 ports a slot is served again after the same
+~2 s either way (the table dominates), and the spare cost 21 MiB RSS, 9 MiB PSS
+(benchmarks/replacement.py, docs/workers.md)."""
 
 
 class Supervisor:
@@ -144,9 +146,11 @@ class Supervisor:
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CHANNEL_BUFFER)
         try:
             process = await self.forks.fork(index, theirs)
-        except OSError as exc:
+        except BaseException as exc:
             ours.close()
-            raise ProxyError(f"{what} could not start: {exc}") from None
+            if isinstance(exc, OSError):
+                raise ProxyError(f"{what} could not start: {exc}") from None
+            raise
         finally:
             theirs.close()
         try:
