@@ -46,10 +46,10 @@ RESTART_DELAYS = (0.0, 0.25, 1.0, 2.0, 5.0)
 """Waits before restarting a worker that failed again soon after its start."""
 RECENT = 10.0
 """Seconds after its start within which a worker's exit counts as failing again."""
-KEEP_SPARE = False
-"""Whether a forked spare waits to take the slot of a worker that dies. Off: a worker is forked
-when one is needed, in milliseconds; at 10,000 ports a slot is served again after the same
-~2 s either way (the table dominates), and the spare cost 21 MiB RSS, 9 MiB PSS
+KEEP_SPARE = True
+"""Whether a forked spare waits to take the slot of a worker that dies (else one is forked when
+needed). Forked, it costs 21 MiB RSS, 9 MiB PSS; at 10,000 ports beside CPU hogs it took the
+slot in 1.0 s (median) where a worker forked then took 1.6 s, over the issue's 1 s
 (benchmarks/replacement.py, docs/workers.md)."""
 
 
