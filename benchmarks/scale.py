@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.testbed import (  # noqa: E402
+    command,
     cpu_model,
     cpu_seconds,
     install_missing,
@@ -330,12 +331,22 @@ def ask_all(
 
 
 def proxy_processes(pid: int) -> list[dict[str, Any]]:
-    """RSS (MiB) and open descriptors of the proxy and each of its workers."""
+    """RSS and PSS (MiB), name and open descriptors of the proxy and each of its workers (and
+    its fork server). RSS counts a page shared by forked workers once in each of them; PSS
+    divides it among them, so the PSS sum is the tree's real footprint."""
     out = []
     for p in process_tree(pid):
         with contextlib.suppress(OSError):
-            rss, _ = memory_kib(p)
-            out.append({"pid": p, "rss_mib": rss / 1024, "fds": len(os.listdir(f"/proc/{p}/fd"))})
+            rss, pss = memory_kib(p)
+            out.append(
+                {
+                    "pid": p,
+                    "name": command(p),
+                    "rss_mib": rss / 1024,
+                    "pss_mib": pss / 1024,
+                    "fds": len(os.listdir(f"/proc/{p}/fd")),
+                }
+            )
     return out
 
 
@@ -496,6 +507,7 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
         if args.startup_only:
             result["processes"] = proxy_processes(proc.pid)
             result["rss_mib"] = sum(p["rss_mib"] for p in result["processes"])
+            result["pss_mib"] = sum(p["pss_mib"] for p in result["processes"])
             result["fds_max"] = max(p["fds"] for p in result["processes"])
             return result
         await asyncio.sleep(3)  # settle: the first syncs' leftovers
@@ -508,6 +520,7 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
         result["idle_cpu_s_per_min"] = 60 * (cpu1 - cpu0) / (t1 - t0)
         result["processes"] = proxy_processes(proc.pid)
         result["rss_mib"] = sum(p["rss_mib"] for p in result["processes"])
+        result["pss_mib"] = sum(p["pss_mib"] for p in result["processes"])
         result["fds_max"] = max(p["fds"] for p in result["processes"])
 
         # Add a Service: the Service and its slice created together.
@@ -669,6 +682,7 @@ def table(results: list[dict[str, Any]]) -> str:
     rows: list[tuple[str, str, Any, str, int]] = [
         ("all ClusterIPs answering after start", "≤ 5 s", at("all_answering_s"), " s", 1),
         ("RSS (all proxy processes)", "≤ 250 MB", at("rss_mib"), " MiB", 0),
+        ("PSS (all proxy processes: shared pages divided)", "", at("pss_mib"), " MiB", 0),
         ("open descriptors (largest process)", "≤ 10,100", at("fds_max"), "", 0),
         ("add a Service, p50", "≤ 100 ms", at("add_service_ms", "p50"), " ms", 0),
         ("add a Service, p99", "", at("add_service_ms", "p99"), " ms", 0),
@@ -702,6 +716,13 @@ def table(results: list[dict[str, Any]]) -> str:
             fmt(float(get(r)) if get(r) is not None else None, unit, digits) for r in results
         )
         lines.append(f"| {label} | {target} | {cells} |")
+    lines.append("")
+    for r in results:  # where the memory is: each process, RSS against PSS
+        each = ", ".join(
+            f"{p.get('name') or p['pid']} {p['rss_mib']:.0f}/{p.get('pss_mib', 0):.0f}"
+            for p in r.get("processes", [])
+        )
+        lines.append(f"- {r['services']:,} x {r['endpoints']}, RSS/PSS MiB by process: {each}")
     return "\n".join(lines)
 
 
@@ -812,8 +833,9 @@ def startup_table(results: list[dict[str, Any]]) -> str:
     all answering in each run, and this / baseline."""
     lines = [
         "| scenario | proxy | runs | first ClusterIP answering | all answering | each run"
-        " | ratio to baseline | sweep: proxy CPU | sweep: probe CPU |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|",
+        " | ratio to baseline | sweep: proxy CPU | sweep: probe CPU | RSS, all processes"
+        " | PSS, all processes |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
 
     def median(values: list[float]) -> float:
@@ -843,10 +865,12 @@ def startup_table(results: list[dict[str, Any]]) -> str:
             each = ", ".join(f"{a:.1f}" for a in alls)
             proxy_cpu = median([r.get("sweep_proxy_cpu_s") or float("nan") for r in runs])
             probe_cpu = median([r.get("sweep_probe_cpu_s") or float("nan") for r in runs])
+            rss = median([r.get("rss_mib") or float("nan") for r in runs])
+            pss = median([r.get("pss_mib") or float("nan") for r in runs])
             lines.append(
                 f"| {spec} | {variant} | {len(runs)} | {median(firsts):.2f} s "
                 f"| {medians[variant]:.2f} s | {each} | {ratio} | {proxy_cpu:.1f} s"
-                f" | {probe_cpu:.1f} s |"
+                f" | {probe_cpu:.1f} s | {rss:.0f} MiB | {pss:.0f} MiB |"
             )
     return "\n".join(lines)
 

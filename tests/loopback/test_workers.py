@@ -446,11 +446,14 @@ async def test_a_worker_that_cannot_start_is_a_clear_error(
 ) -> None:
     broken = tmp_path / "site"
     broken.mkdir()
-    # Only the worker processes fail to start (sys.orig_argv names the worker module).
+    # Only the worker processes fail to start: each one the fork server forks exits at once
+    # (sys.orig_argv names the fork server's module).
     (broken / "sitecustomize.py").write_text(
         "import os, sys\n"
-        "if 'kube_userspace_proxy.workers.process' in sys.orig_argv:\n"
+        "def refuse():\n"
         "    sys.stderr.write('worker start refused by the test\\n'); os._exit(3)\n"
+        "if 'kube_userspace_proxy.workers.forkserver' in sys.orig_argv:\n"
+        "    os.register_at_fork(after_in_child=refuse)\n"
     )
     manifest = tmp_path / "svc.yaml"
     write_manifests(manifest, _web([p for _, p, _ in backends]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kube_userspace_proxy.workers import protocol
 
@@ -19,12 +19,26 @@ SPARE = -2
 _Answer = TypeVar("_Answer")
 
 
+class WorkerProcess(Protocol):
+    """A worker's process as the control process handles it (`forkserver.ForkedProcess`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    async def wait(self) -> int | None: ...
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class WorkerLink:
     """One worker process; `index` is its slot, SPARE while it waits to take one over."""
 
     index: int
-    process: asyncio.subprocess.Process
+    process: WorkerProcess
     writer: asyncio.StreamWriter
     reader_task: asyncio.Task[None] | None = None
     watcher: asyncio.Task[None] | None = None

@@ -203,6 +203,15 @@ class WorkerPool:
         """The process IDs of the workers, in slot order (0 for a slot being replaced)."""
         return self._supervisor.pids()
 
+    def spare_pid(self) -> int:
+        """The process ID of the warm spare (0 if none is ready)."""
+        return self._supervisor.spare_pid()
+
+    @property
+    def fork_server_pid(self) -> int:
+        """The process ID of the fork server the workers are forked from (0 if none runs)."""
+        return self._supervisor.forks.pid
+
     def stalest_answer(self) -> float:
         """Seconds since the worker whose event loop answered longest ago last answered."""
         return self._supervisor.stalest_answer()

@@ -1,7 +1,8 @@
 """A data-plane worker process: serves every proxy port the control process sends it.
 
-Started by the control process as `python -m kube_userspace_proxy.workers.process` with one end of a
-socketpair. It holds the data plane only (listeners, endpoint pools, connections) and never
+Forked by the fork server (`forkserver`), which runs `main` with one end of a socketpair from
+the control process (`python -m kube_userspace_proxy.workers.process --fd N` runs one alone).
+It holds the data plane only (listeners, endpoint pools, connections) and never
 imports the control plane's libraries (kubernetes_asyncio, aiohttp, pydantic, iptc), so it
 starts small. Each table it receives is the complete set of served ports; it reconciles its
 listeners to it, like the proxier does, and answers with the order in which its sockets joined

@@ -1,10 +1,10 @@
-"""Keeping N worker processes running: spawn, read, ping, restart, warm spare, reap.
+"""Keeping N worker processes running: fork, read, ping, restart, reap.
 
-Each worker is `python -m kube_userspace_proxy.workers.process` with one end of a socketpair
-(its channel). One more process waits as a warm spare: when a worker dies, the spare takes its
-slot at once (a fresh interpreter takes a few hundred milliseconds to start on a busy node),
-the owner gives it the current table, and a new spare is started in the background. A worker
-that dies again soon after its start is restarted after a growing delay.
+Each worker is forked by the fork server (`forkserver`), an interpreter that imported the data
+plane only, with one end of a socketpair (its channel): a worker shares that interpreter's pages
+and is ready in milliseconds. When a worker dies, a new one is forked for its slot and the owner
+gives it the current table (with `spare`, one more forked worker waits to take a slot at once).
+A worker that dies again soon after its start is restarted after a growing delay.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import asyncio
 import contextlib
 import itertools
 import socket
-import sys
 import time
 from collections.abc import Awaitable, Callable
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.workers import protocol
-from kube_userspace_proxy.workers.link import SPARE, Replies, WorkerLink
+from kube_userspace_proxy.workers.forking import ForkServer
+from kube_userspace_proxy.workers.link import SPARE, Replies, WorkerLink, WorkerProcess
 from kube_userspace_proxy.workers.protocol import (
     Adopted,
     Adopting,
@@ -44,6 +44,13 @@ CHANNEL_BUFFER = 4 * 1024 * 1024
 """Socket buffer of each channel end (a table of 10,000 ports is 1.5 MB)."""
 RESTART_DELAYS = (0.0, 0.25, 1.0, 2.0, 5.0)
 """Waits before restarting a worker that failed again soon after its start."""
+RECENT = 10.0
+"""Seconds after its start within which a worker's exit counts as failing again."""
+KEEP_SPARE = True
+"""Whether a forked spare waits to take the slot of a worker that dies (else one is forked when
+needed). Forked, it costs 21 MiB RSS, 9 MiB PSS; at 10,000 ports beside CPU hogs it took the
+slot in 1.0 s (median) where a worker forked then took 1.6 s, over the issue's 1 s
+(benchmarks/replacement.py, docs/workers.md)."""
 
 
 class Supervisor:
@@ -62,9 +69,12 @@ class Supervisor:
         on_part: Callable[[WorkerLink, Collected], None],
         on_exit: Callable[[int], None],
         on_slot: Callable[[WorkerLink], Awaitable[None]],
+        spare: bool | None = None,
     ) -> None:
         self.count = count
-        self._argv = argv
+        self.forks = ForkServer(argv)
+        """The fork server every worker is forked from."""
+        self._keeps_spare = KEEP_SPARE if spare is None else spare
         self._replies = replies
         self._on_part = on_part
         self._on_exit = on_exit
@@ -89,6 +99,10 @@ class Supervisor:
         """The process IDs of the workers, in slot order (0 for a slot being replaced)."""
         return [w.process.pid if w is not None and w.ready else 0 for w in self._workers]
 
+    def spare_pid(self) -> int:
+        """The process ID of the warm spare (0 if none is ready)."""
+        return self._spare.process.pid if self._spare is not None else 0
+
     def stalest_answer(self) -> float:
         """Seconds since the worker whose event loop answered longest ago last answered."""
         now = time.monotonic()
@@ -104,7 +118,11 @@ class Supervisor:
     # ---- starting ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start every worker and the spare; raises ProxyError when one cannot start."""
+        """Start every worker (and the spare); raises ProxyError when one cannot start."""
+        try:
+            await self.forks.start()
+        except OSError as exc:
+            raise ProxyError(f"the workers could not start: {exc}") from None
         started = await asyncio.gather(
             *(self._spawn(index) for index in range(self.count)), return_exceptions=True
         )
@@ -127,18 +145,12 @@ class Supervisor:
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CHANNEL_BUFFER)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CHANNEL_BUFFER)
         try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "kube_userspace_proxy.workers.process",
-                "--fd",
-                str(theirs.fileno()),
-                "--index",
-                str(index),
-                *self._argv,
-                pass_fds=(theirs.fileno(),),
-                stdin=asyncio.subprocess.DEVNULL,
-            )
+            process = await self.forks.fork(index, theirs)
+        except BaseException as exc:
+            ours.close()
+            if isinstance(exc, OSError):
+                raise ProxyError(f"{what} could not start: {exc}") from None
+            raise
         finally:
             theirs.close()
         try:
@@ -221,7 +233,7 @@ class Supervisor:
         log.error("worker %d exited unexpectedly (code %s); replacing it", index, code)
         self.restarts += 1
         self._workers[index] = None
-        recent = time.monotonic() - worker.started < 10
+        recent = time.monotonic() - worker.started < RECENT
         self._failures[index] = self._failures[index] + 1 if recent else 1
         if self._failures[index] > 1:  # crashing again: do not burn through processes
             await asyncio.sleep(RESTART_DELAYS[min(self._failures[index], len(RESTART_DELAYS)) - 1])
@@ -248,7 +260,7 @@ class Supervisor:
         await self._on_slot(worker)
 
     def _keep_spare(self) -> None:
-        if self.stopping or self._spare is not None:
+        if not self._keeps_spare or self.stopping or self._spare is not None:
             return
         if self._spare_task is not None and not self._spare_task.done():
             return
@@ -309,6 +321,7 @@ class Supervisor:
         for process in [*self._workers, self._spare]:
             if process is not None:
                 await self._end(process)
+        await self.forks.close()
 
     def abandon(self) -> None:
         """Kill every worker at once, leaving the sockets they hold untouched (a handover
@@ -318,6 +331,7 @@ class Supervisor:
             if worker is not None and worker.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     worker.process.kill()
+        self.forks.abandon()
 
 
 async def _hello(reader: asyncio.StreamReader) -> Hello:
@@ -328,8 +342,8 @@ async def _hello(reader: asyncio.StreamReader) -> Hello:
     return message
 
 
-async def reap(process: asyncio.subprocess.Process) -> int:
-    """Kill `process` if it still runs, and wait for its exit code."""
+async def reap(process: WorkerProcess) -> int | None:
+    """Kill `process` if it still runs, and wait for its exit code (None: unknown)."""
     if process.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             process.kill()
