@@ -35,7 +35,10 @@ from kube_userspace_proxy.workers.protocol import (
 log = logs.get(__name__)
 
 APPLY_TIMEOUT = 10.0
-"""Seconds a worker has to apply a table or delta before it is replaced."""
+"""Seconds a worker may spend on a table or delta without using any CPU before it is replaced
+(a worker still working on a big table on a busy node is waited for, up to APPLY_LIMIT)."""
+APPLY_LIMIT = 300.0
+"""Seconds after which a worker that has not applied a table is replaced, however busy."""
 PART = 1000
 """Ports per message of a delta that goes to the workers one after the other."""
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -249,7 +252,7 @@ class Publisher:
         done = self._replies.expect(worker, Applied, seq)
         worker.send(body)
         try:
-            reply = await asyncio.wait_for(done, APPLY_TIMEOUT)
+            reply = await _while_working(worker, done)
         except (TimeoutError, ConnectionError) as exc:
             self._replies.forget(worker, Applied, seq)
             if worker.ready:
@@ -381,3 +384,38 @@ def _joins(key: SocketKey, pool: PoolEntry) -> bool:
     while its pool has endpoints (without, the workers do not listen)."""
     _, addresses, _, _, _ = pool
     return key[0] == "UDP" or bool(addresses)
+
+
+async def _while_working(worker: WorkerLink, done: asyncio.Future[Applied]) -> Applied:
+    """`worker`'s answer, waited for as long as it keeps working on the request: TimeoutError
+    once it spent APPLY_TIMEOUT seconds without using CPU (stuck), or after APPLY_LIMIT.
+
+    A fixed deadline replaced a worker that was merely slow (10,000 ports beside CPU hogs), and
+    its replacement with it, again and again; a stuck one uses no CPU."""
+    used = _cpu_ticks(worker.process.pid)
+    waited = 0.0
+    while True:
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), APPLY_TIMEOUT)
+        except TimeoutError:
+            waited += APPLY_TIMEOUT
+            now = _cpu_ticks(worker.process.pid)
+            if now is None or now == used or waited >= APPLY_LIMIT:
+                done.cancel()
+                raise
+            log.warning(
+                "worker %d is still applying its table after %.0fs (busy: waiting)",
+                worker.index,
+                waited,
+            )
+            used = now
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """User + system clock ticks `pid` has used (/proc/PID/stat), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
