@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Generic
 
-from kube_userspace_proxy.balancer import EndpointPool, on_node, topology_mode, usable_endpoints
+from kube_userspace_proxy.balancer import on_node, topology_mode, usable_endpoints
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.model import (
     Desired,
@@ -17,19 +18,19 @@ from kube_userspace_proxy.model import (
     ServicePortInfo,
     ServicePortName,
 )
-from kube_userspace_proxy.proxier.contracts import Listener
+from kube_userspace_proxy.proxier.contracts import Listener, PoolT
 from kube_userspace_proxy.restart.sockets import NodePortSocket, ProxyPortSocket, SocketDescription
 
 
 @dataclass(slots=True)
-class Served:
+class Served(Generic[PoolT]):
     """One service port as it is served now. Mutable; private to the proxier package."""
 
     info: ServicePortInfo
     stats: ConnStats
-    pools: dict[Path, EndpointPool]
-    listeners: dict[Path, Listener[EndpointPool]] = field(default_factory=dict)
-    node_port_listeners: list[tuple[str, Listener[EndpointPool]]] = field(default_factory=list)
+    pools: dict[Path, PoolT]
+    listeners: dict[Path, Listener[PoolT]] = field(default_factory=dict)
+    node_port_listeners: list[tuple[str, Listener[PoolT]]] = field(default_factory=list)
     node_port: int = 0
     all_endpoints: int = 0
     topology: str = ""
@@ -43,7 +44,7 @@ class Served:
         listener = self.listeners.get(path) or self.listeners.get(Path.CLUSTER)
         return listener.port if listener is not None else 0
 
-    def every_listener(self) -> Iterable[Listener[EndpointPool]]:
+    def every_listener(self) -> Iterable[Listener[PoolT]]:
         yield from self.listeners.values()
         for _, listener in self.node_port_listeners:
             yield listener
@@ -87,14 +88,14 @@ class Served:
             listener.refresh()
 
 
-class Retired:
+class Retired(Generic[PoolT]):
     """Listeners closed (no new connections) whose open connections may still run."""
 
     def __init__(self) -> None:
         self._closing: set[asyncio.Task[None]] = set()
-        self._listeners: list[Listener[EndpointPool]] = []
+        self._listeners: list[Listener[PoolT]] = []
 
-    def close_later(self, listener: Listener[EndpointPool]) -> None:
+    def close_later(self, listener: Listener[PoolT]) -> None:
         """Stop accepting now; the connections already open finish on their own."""
         task = asyncio.get_running_loop().create_task(listener.close())
         self._closing.add(task)
@@ -102,7 +103,7 @@ class Retired:
         self._listeners = [old for old in self._listeners if old.active_connections]
         self._listeners.append(listener)
 
-    async def closed(self) -> list[Listener[EndpointPool]]:
+    async def closed(self) -> list[Listener[PoolT]]:
         """Wait for the closes under way; the retired listeners (to drain at shutdown)."""
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
@@ -113,7 +114,7 @@ class Retired:
 
 
 def handover_sockets(
-    served_ports: Mapping[ServicePortName, Served],
+    served_ports: Mapping[ServicePortName, Served[Any]],
 ) -> list[tuple[SocketDescription, int]]:
     """(description, descriptor) of every open socket of `served_ports`, to hand over."""
     out: list[tuple[SocketDescription, int]] = []
