@@ -98,6 +98,8 @@ class EndpointSet:
 class SharedPort:
     """A proxy port (or NodePort) served by the workers; this process holds its reservation."""
 
+    __slots__ = ("_pool", "_sock", "key", "name", "picker", "stats", "v6only")
+
     def __init__(
         self, pool: WorkerPool, sock: socket.socket, picker: PoolView, stats: ConnStats, name: str
     ) -> None:
