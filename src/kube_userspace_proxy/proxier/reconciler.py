@@ -273,7 +273,7 @@ class Proxier(Generic[PoolT]):
         served = self._served.get(name)
         new = served is None
         if served is None:
-            served = Served(info=info, stats=ConnStats(), pools={})
+            served = Served(info=info, stats=ConnStats())
             self._commits.target_changed()
         elif served.info is not info:
             self._commits.target_changed()  # the rules are rendered from the info

@@ -4,9 +4,9 @@ the descriptions of its sockets for a handover."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Generic
+from typing import Any, Generic, TypeVar
 
 from kube_userspace_proxy.balancer import on_node, topology_mode, usable_endpoints
 from kube_userspace_proxy.dataplane import ConnStats
@@ -21,6 +21,46 @@ from kube_userspace_proxy.model import (
 from kube_userspace_proxy.proxier.contracts import Listener, PoolT
 from kube_userspace_proxy.restart.sockets import NodePortSocket, ProxyPortSocket, SocketDescription
 
+V = TypeVar("V")
+_NONE: Any = object()  # an empty path's slot
+
+
+class ByPath(MutableMapping[Path, V]):
+    """A mapping with at most the two paths as keys, in two slots: 56 bytes where a dict
+    takes 232, and a `Served` holds two of them (10,000 at scale). CLUSTER comes first."""
+
+    __slots__ = ("_cluster", "_external")
+
+    def __init__(self) -> None:
+        self._cluster: V = _NONE
+        self._external: V = _NONE
+
+    def __getitem__(self, path: Path) -> V:
+        value = self._cluster if path is Path.CLUSTER else self._external
+        if value is _NONE:
+            raise KeyError(path)
+        return value
+
+    def __setitem__(self, path: Path, value: V) -> None:
+        if path is Path.CLUSTER:
+            self._cluster = value
+        else:
+            self._external = value
+
+    def __delitem__(self, path: Path) -> None:
+        if path not in self:
+            raise KeyError(path)
+        self[path] = _NONE
+
+    def __iter__(self) -> Iterator[Path]:
+        if self._cluster is not _NONE:
+            yield Path.CLUSTER
+        if self._external is not _NONE:
+            yield Path.EXTERNAL
+
+    def __len__(self) -> int:
+        return (self._cluster is not _NONE) + (self._external is not _NONE)
+
 
 @dataclass(slots=True)
 class Served(Generic[PoolT]):
@@ -28,8 +68,8 @@ class Served(Generic[PoolT]):
 
     info: ServicePortInfo
     stats: ConnStats
-    pools: dict[Path, PoolT]
-    listeners: dict[Path, Listener[PoolT]] = field(default_factory=dict)
+    pools: ByPath[PoolT] = field(default_factory=ByPath)
+    listeners: ByPath[Listener[PoolT]] = field(default_factory=ByPath)
     node_port_listeners: list[tuple[str, Listener[PoolT]]] = field(default_factory=list)
     node_port: int = 0
     all_endpoints: int = 0
