@@ -30,6 +30,9 @@ from kube_userspace_proxy.workers.protocol import Collected, Pin, Settings
 from kube_userspace_proxy.workers.publisher import Publisher
 from kube_userspace_proxy.workers.supervisor import Supervisor
 
+_OPAQUE: Transparency = (None, ())
+"""No transparent dialing, no endpoint on this node."""
+
 
 class EndpointSet:
     """A pool as the control process keeps it while the workers serve: what they are sent.
@@ -84,6 +87,8 @@ class EndpointSet:
     def transparency(self) -> Transparency:
         """The source policy's CIDRs (None: off) and the local endpoints, for the workers."""
         source = self.source
+        if source is None and not self._local:
+            return _OPAQUE  # the publisher keeps one per pool: share the common one
         return (None if source is None else source.client_cidrs, self._local)
 
     def source_choices(self) -> dict[Address, str]:
