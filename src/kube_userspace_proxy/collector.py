@@ -100,7 +100,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 def release_free_memory() -> bool:
     """Return the memory the C allocator holds free to the kernel (glibc `malloc_trim(0)`,
-    a few ms at 10,000 service ports); False where the C library has no such call."""
+    about 1 ms after a scrape at 10,000 service ports); False where the C library has none."""
     trim = _malloc_trim()
     if trim is None:
         return False
