@@ -15,7 +15,8 @@ Reported per scenario: time from the proxy's start until every ClusterIP has ans
 add-a-Service latency (a Service and its EndpointSlice created together, until its ClusterIP
 answers) and endpoint-move latency (a Service's only endpoint moved to another pod, until
 requests reach the new pod), p50 and p99 of `--changes` changes each; CPU of the idle proxy
-(periodic resyncs included) per minute; RSS and open descriptors of every proxy process; and,
+(periodic resyncs included) per minute; RSS and open descriptors of every proxy process (the
+control process's again after the storm, whose probes scrape /metrics); and,
 during a storm of `--storm-rate` endpoint changes per second, the p99 of a request every 10 ms
 through a ClusterIP (the data plane) and of `/livez` every 20 ms (from outside), and the
 control process's event-loop lag p99 from its own `kube_userspace_proxy_event_loop_lag_seconds`
@@ -671,8 +672,8 @@ def table(results: list[dict[str, Any]]) -> str:
     )
     lines = [head + " |", "|---|---|" + "---:|" * len(results)]
 
-    def at(*keys: str) -> Any:
-        def get(r: dict[str, Any]) -> Any:
+    def at(*keys: str | int) -> Any:
+        def get(r: Any) -> Any:
             for key in keys:
                 r = r[key]
             return r
@@ -683,6 +684,14 @@ def table(results: list[dict[str, Any]]) -> str:
         ("all ClusterIPs answering after start", "≤ 5 s", at("all_answering_s"), " s", 1),
         ("RSS (all proxy processes)", "≤ 250 MB", at("rss_mib"), " MiB", 0),
         ("PSS (all proxy processes: shared pages divided)", "", at("pss_mib"), " MiB", 0),
+        ("RSS of the control process", "", at("processes", 0, "rss_mib"), " MiB", 0),
+        (
+            "RSS of the control process, after the storm",
+            "",
+            at("processes_after", 0, "rss_mib"),
+            " MiB",
+            0,
+        ),
         ("open descriptors (largest process)", "≤ 10,100", at("fds_max"), "", 0),
         ("add a Service, p50", "≤ 100 ms", at("add_service_ms", "p50"), " ms", 0),
         ("add a Service, p99", "", at("add_service_ms", "p99"), " ms", 0),

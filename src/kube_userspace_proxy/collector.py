@@ -8,14 +8,21 @@ collector is held off while it is built; what was built is then frozen (`gc.free
 full passes skip it) and the collector runs as before. Garbage without cycles is freed by
 reference counting all along; a hold is bounded in time, so a start that waits long (an API
 server away) is not left without a collector.
+
+What a build or a large answer (a /metrics scrape at 10,000 service ports) frees, the C
+allocator keeps for reuse rather than returning it to the kernel, so the process's RSS stays
+at its highest point. `release_free_memory()` hands it back (glibc's `malloc_trim(0)`), after
+the first build and after each such answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 FIRST_BUILD_LIMIT = 30.0
 """Seconds the collector is held off at most while the first state is built."""
@@ -43,11 +50,13 @@ class Hold:
         self._timer = asyncio.get_running_loop().call_later(self._limit, self._expire)
 
     def end(self) -> None:
-        """The build is done: freeze it and let the collector run again."""
+        """The build is done: freeze it, let the collector run again and give the memory
+        the build used for a while (parsed lists, encoded tables) back to the kernel."""
         if not self.held:
             return
         gc.freeze()
         self._release()
+        release_free_memory()
 
     def abandon(self) -> None:
         """Let the collector run again without a freeze (the build did not finish)."""
@@ -78,3 +87,22 @@ def held_off() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:  # the process's own symbols: the C library it runs with, no search for a file
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc (musl has none): nothing to do
+        return None
+    return trim
+
+
+def release_free_memory() -> bool:
+    """Return the memory the C allocator holds free to the kernel (glibc `malloc_trim(0)`,
+    about 1 ms after a scrape at 10,000 service ports); False where the C library has none."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

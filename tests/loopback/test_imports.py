@@ -63,6 +63,9 @@ def test_a_manifest_mode_control_process_never_imports_the_kube_client(tmp_path:
     assert "kube_userspace_proxy.cluster.sources.manifests" in loaded  # it did run
     assert not {m for m in loaded if m.split(".")[0] == "kubernetes_asyncio"}
     assert "kube_userspace_proxy.cluster.sources.kube" not in loaded
+    # Netlink (conntrack flushes, the transparent return path) and python-iptables load
+    # where they are used: neither is with no UDP flow to flush and no iptc backend.
+    assert not {m for m in loaded if m.split(".")[0] in {"pyroute2", "iptc"}}
 
 
 def test_the_restore_backend_never_imports_iptc() -> None:

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kube_userspace_proxy import collector, logs
 from kube_userspace_proxy.app.latency import LatencyTracker
@@ -33,7 +34,7 @@ class Pipeline:
     def __init__(
         self,
         state: ClusterState,
-        proxier: Proxier,
+        proxier: Proxier[Any],
         *,
         health: ProxyHealth,
         metrics: ProxyMetrics,

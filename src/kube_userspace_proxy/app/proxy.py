@@ -11,12 +11,11 @@ import asyncio
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kube_userspace_proxy import addresses, collector, logs
 from kube_userspace_proxy.app.pipeline import Pipeline
 from kube_userspace_proxy.app.saver import StateSaver
-from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.config.settings import ProxyConfig
 from kube_userspace_proxy.errors import PrerequisiteError
@@ -95,9 +94,10 @@ class Proxy:
         workers = config.worker_count
         self.workers: WorkerPool | None = None
         self.portals: Portals | None = None
-        dataplane: DataPlane[EndpointPool]
+        # The workers pick with pools of their own; this process keeps what it sends them.
+        self.proxier: Proxier[Any]
         if workers > 1:
-            dataplane = self.workers = WorkerPool(
+            self.workers = WorkerPool(
                 workers,
                 udp_idle_timeout=config.udp_idle_timeout,
                 tcp_keepalive=config.tcp_keepalive,
@@ -105,18 +105,20 @@ class Proxy:
                 log_format=config.log_format,
                 event_loop=config.event_loop,
             )
+            self.proxier = Proxier(
+                self._allocator(config, self.workers),
+                node_port_addresses=self._node_port_addresses,
+                dataplane=self.workers,
+            )
         else:
-            dataplane = LocalDataPlane(
+            local = LocalDataPlane(
                 udp_idle_timeout=config.udp_idle_timeout, tcp_keepalive=config.tcp_keepalive
             )
-        allocator = PortAllocator(
-            config.port_range,
-            host=config.bind_address,
-            share_udp=dataplane.shares_ports,
-        )
-        self.proxier = Proxier(
-            allocator, node_port_addresses=self._node_port_addresses, dataplane=dataplane
-        )
+            self.proxier = Proxier(
+                self._allocator(config, local),
+                node_port_addresses=self._node_port_addresses,
+                dataplane=local,
+            )
         self.metrics = ProxyMetrics(
             self.proxier.port_stats,
             self.proxier.open_ports,
@@ -205,6 +207,12 @@ class Proxy:
         if self.config.preserve_source_ip:
             snapshot = replace(snapshot, source=self.config.source_policy(snapshot.pod_cidrs))
         return snapshot
+
+    @staticmethod
+    def _allocator(config: ProxyConfig, dataplane: DataPlane[Any]) -> PortAllocator:
+        return PortAllocator(
+            config.port_range, host=config.bind_address, share_udp=dataplane.shares_ports
+        )
 
     def _node_port_addresses(self) -> Sequence[str]:
         configured = self.config.nodeport_addresses

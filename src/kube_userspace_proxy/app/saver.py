@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.model import ProxiedPort, Snapshot
@@ -26,7 +27,7 @@ class StateSaver:
     """
 
     def __init__(
-        self, state_dir: str, applied_state: Callable[[], Snapshot], proxier: Proxier
+        self, state_dir: str, applied_state: Callable[[], Snapshot], proxier: Proxier[Any]
     ) -> None:
         self._state_dir = state_dir
         self._applied_state = applied_state

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+import sys
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -217,7 +218,10 @@ def object_key(obj: Any) -> Key:
     dns_label(namespace, "metadata.namespace")
     if len(name) > _MAX_SUBDOMAIN or not _DNS_SUBDOMAIN.fullmatch(name):
         raise Malformed(f"metadata.name: {name[:80]!r} is not a DNS-1123 subdomain")
-    return (namespace, name)
+    # Interned, as the other names and addresses below: 10,000 objects repeat a few
+    # namespaces, port names, node names and pod IPs, which the parser would otherwise keep
+    # a copy of per object (and per watch event that replaces one).
+    return (sys.intern(namespace), sys.intern(name))
 
 
 def describe(obj: Any) -> str:
@@ -329,7 +333,7 @@ def parse_service(
         where = f"spec.ports[{i}]"
         if not isinstance(port, Mapping):
             raise Malformed(f"{where}: expected an object, got {port!r}")
-        port_name = _field(port, "name", str, f"{where}.", "")
+        port_name = sys.intern(_field(port, "name", str, f"{where}.", ""))
         if port_name:
             dns_label(port_name, f"{where}.name")
         if port_name in seen:
@@ -409,6 +413,7 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
     service = _labels(meta).get(LABEL_SERVICE_NAME)
     if not service:
         raise Skip(f"no {LABEL_SERVICE_NAME} label", quiet=True)
+    service = sys.intern(service)
     address_type = _field(obj, "addressType", str, "", "")
     if address_type == "FQDN":
         raise Skip("addressType FQDN is not proxied")
@@ -421,7 +426,7 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
         where = f"ports[{i}]"
         if not isinstance(port, Mapping):
             raise Malformed(f"{where}: expected an object, got {port!r}")
-        port_name = _field(port, "name", str, f"{where}.", "")
+        port_name = sys.intern(_field(port, "name", str, f"{where}.", ""))
         if port_name:
             dns_label(port_name, f"{where}.name")
         protocol = _field(port, "protocol", str, f"{where}.", "TCP")
@@ -443,7 +448,7 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
         if not addresses:
             raise Malformed(f"{where}.addresses is empty")
         # kube-proxy uses the first address only; the others are the same pod.
-        ip = ip_address(addresses[0], f"{where}.addresses[0]", version)
+        ip = sys.intern(ip_address(addresses[0], f"{where}.addresses[0]", version))
         usable = _usable_ip(
             ip, f"{where}.addresses[0]", "EndpointSlice", key, "endpoint", loopback=loopback
         )
@@ -455,7 +460,7 @@ def parse_slice(obj: Mapping[str, Any], key: Key, *, loopback: bool = False) -> 
         ready = _field(conditions, "ready", bool, cwhere, True)  # nil ready means ready
         serving = _field(conditions, "serving", bool, cwhere, ready)  # nil defers to ready
         terminating = _field(conditions, "terminating", bool, cwhere, False)
-        node_name = _field(endpoint, "nodeName", str, f"{where}.", "") or None
+        node_name = sys.intern(_field(endpoint, "nodeName", str, f"{where}.", "")) or None
         hints = _mapping(endpoint, "hints", f"{where}.")
         endpoints.append(
             SliceEndpoint(
@@ -490,7 +495,7 @@ def _hint_names(hints: Mapping[str, Any], key: str, where: str) -> tuple[str, ..
         if not name:
             raise Malformed(f"{where}{key}[{i}].name is missing")
         if name not in names:
-            names.append(name)
+            names.append(sys.intern(name))
     return tuple(names)
 
 

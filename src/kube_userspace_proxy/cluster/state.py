@@ -69,10 +69,14 @@ class ClusterState:
         self.endpoint_changes_total = 0
         self._services: dict[Key, tuple[ServicePortInfo, ...]] = {}
         self._slices: dict[Key, Slice] = {}
-        self._slices_of: dict[Key, set[Key]] = {}  # service key -> slice keys
+        # service key -> slice keys; a tuple, not a set: most Services have one slice, and
+        # 10,000 one-member sets cost 2 MiB.
+        self._slices_of: dict[Key, tuple[Key, ...]] = {}
         self._rejected: dict[tuple[Kind, Key], Any] = {}  # last raw object already logged
         self._ignored: dict[tuple[Kind, Key], str] = {}  # objects not served now -> why
-        self._versions: dict[tuple[Kind, Key], str] = {}  # resourceVersion last parsed
+        # The resourceVersion last parsed, per kind: keyed by the objects' own keys (a
+        # (kind, key) pair per object was 20,000 tuples more at 10,000 Services).
+        self._versions: dict[Kind, dict[Key, str]] = {"Service": {}, "EndpointSlice": {}}
         self._sctp_warned: set[ServicePortName] = set()
         self._problems_warned: dict[Key, tuple[str, ...]] = {}
         self._listed: set[Kind] = set()
@@ -313,18 +317,19 @@ class ClusterState:
 
     def _upsert(self, kind: Kind, key: Key, obj: Mapping[str, Any]) -> int:
         version = obj["metadata"].get("resourceVersion")
-        if isinstance(version, str) and version and self._versions.get((kind, key)) == version:
+        versions = self._versions[kind]
+        if isinstance(version, str) and version and versions.get(key) == version:
             return 0  # a relist repeats what we have: skip parsing thousands of objects again
         if kind == "Service":
             changes = self._upsert_service(key, obj)
         else:
             changes = self._upsert_slice(key, obj)
         if isinstance(version, str) and version:
-            self._versions[(kind, key)] = version
+            versions[key] = version
         return changes
 
     def _remove(self, kind: Kind, key: Key) -> int:
-        self._versions.pop((kind, key), None)
+        self._versions[kind].pop(key, None)
         self._ignored.pop((kind, key), None)
         if kind == "Service":
             if self._services.pop(key, None) is None:
@@ -336,9 +341,11 @@ class ClusterState:
         old = self._slices.pop(key, None)
         if old is None:
             return 0
-        self._slices_of[old.service].discard(key)
-        if not self._slices_of[old.service]:
-            del self._slices_of[old.service]
+        rest = tuple(k for k in self._slices_of.get(old.service, ()) if k != key)
+        if rest:
+            self._slices_of[old.service] = rest
+        else:
+            self._slices_of.pop(old.service, None)
         self._dirty.add(old.service)
         return 1
 
@@ -398,7 +405,9 @@ class ClusterState:
         elif old is not None:
             parsed = _reusing(parsed, old)
         self._slices[key] = parsed
-        self._slices_of.setdefault(parsed.service, set()).add(key)
+        siblings = self._slices_of.get(parsed.service, ())
+        if key not in siblings:
+            self._slices_of[parsed.service] = (*siblings, key)
         self._dirty.add(parsed.service)
         when = trigger_time(obj)
         if when is not None:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from kube_userspace_proxy import logs
+from kube_userspace_proxy import collector, logs
 from kube_userspace_proxy.errors import ConfigError, PortInUseError
 from kube_userspace_proxy.ops.debugui import DebugUi, PlannedRules, RuleSource
 from kube_userspace_proxy.ops.health import ProxyHealth
@@ -290,7 +290,12 @@ def _metrics_app(
         for chunk in metrics.render_ports(captured):
             chunks.append(chunk)
             await asyncio.sleep(0)
-        return web.Response(body=b"".join(chunks), headers={"Content-Type": CONTENT_TYPE})
+        body = b"".join(chunks)
+        # At 10,000 service ports a scrape frees ~45 MiB of small objects (the workers'
+        # counters, the rows, the chunks) that the allocator would otherwise keep.
+        del chunks, captured
+        collector.release_free_memory()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def proxy_mode(_: web.Request) -> web.Response:
         return web.Response(text=PROXY_MODE, headers=_NOSNIFF)
@@ -303,7 +308,9 @@ def _metrics_app(
 
     async def state(request: web.Request) -> web.StreamResponse:
         await collect(debug=True)
-        return await stream_state(request, debug_state())
+        response = await stream_state(request, debug_state())
+        collector.release_free_memory()  # as after a scrape: the whole view was built
+        return response
 
     tally = TALLIES.setdefault(METRICS_SITE, SiteTally())
     app = web.Application(middlewares=[_host_check(allowed_hosts, tally)])

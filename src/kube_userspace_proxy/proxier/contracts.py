@@ -1,9 +1,10 @@
 """What the proxier drives, declared as Protocols: listeners, the data plane, the rule sink.
 
-A data plane is generic in the pools it takes (`PoolT_contra`): the proxier hands every data plane
-the `EndpointPool`s it fills. The data plane in this process picks from them
-(`LocalDataPlane`, a `DataPlane[EndpointPool]`); the worker pool only describes them to its
-workers (a `DataPlane[PoolView]`, which is a `DataPlane[EndpointPool]` too).
+A data plane is generic in its pools (`PoolT`): it makes them (`new_pool`), the proxier fills
+them (`Pool`) and hands them back to it. The data plane in this process picks from
+`balancer.EndpointPool`s (`LocalDataPlane`, a `DataPlane[EndpointPool]`); the worker pool's
+are `workers.pool.EndpointSet`s, which only describe the endpoints to the workers: the control
+process keeps no picking state (cursors, tallies, pins) the workers keep their own copies of.
 """
 
 from __future__ import annotations
@@ -14,10 +15,53 @@ from typing import Protocol, TypeVar
 
 from kube_userspace_proxy.balancer import BalancerView
 from kube_userspace_proxy.dataplane import ConnStats
-from kube_userspace_proxy.model import ClaimKey, ProxiedPort
+from kube_userspace_proxy.model import (
+    Address,
+    ClaimKey,
+    Endpoint,
+    ProxiedPort,
+    ServicePortName,
+    SourcePolicy,
+)
+
+
+class Pool(Protocol):
+    """One traffic path's usable endpoints as the proxier fills and shows them."""
+
+    source: SourcePolicy | None
+    """Transparent dialing (--preserve-source-ip) and the node's local clients; None: off."""
+    proxy_protocol: int
+    """PROXY protocol version sent to the endpoints first (0: none)."""
+
+    @property
+    def name(self) -> ServicePortName: ...
+
+    @property
+    def addresses(self) -> tuple[Address, ...]:
+        """The usable endpoint addresses, in round-robin order."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def update(
+        self,
+        endpoints: Sequence[Endpoint],
+        *,
+        affinity_timeout: float | None,
+        local: frozenset[Address] = ...,
+    ) -> None:
+        """Take a new endpoint list, the affinity timeout and which endpoints are on this node."""
+        ...
+
+    def source_choices(self) -> dict[Address, str]:
+        """Per usable endpoint, the source its dials get under --preserve-source-ip ({}: off)."""
+        ...
+
 
 PoolT_contra = TypeVar("PoolT_contra", contravariant=True)
-"""The pools a data plane takes (and its listeners serve from)."""
+"""The pools a listener serves from."""
+PoolT = TypeVar("PoolT", bound=Pool)
+"""The pools a data plane makes and takes back."""
 
 Pins = list[tuple[str, tuple[str, int], float]]
 """ClientIP pins shown: (client, endpoint, seconds left)."""
@@ -67,21 +111,25 @@ class Listener(Protocol[PoolT_contra]):
     def active_connections(self) -> int: ...
 
 
-class DataPlane(Protocol[PoolT_contra]):
+class DataPlane(Protocol[PoolT]):
     """Where the listeners run: in this process (`LocalDataPlane`) or in worker processes."""
 
     shares_ports: bool
     """True when other processes join the proxy ports with SO_REUSEPORT (UDP binds with it)."""
 
+    def new_pool(self, name: ServicePortName) -> PoolT:
+        """An empty pool for one traffic path of `name`, of the kind this data plane serves."""
+        ...
+
     def listener(
         self,
         sock: socket.socket,
-        pool: PoolT_contra,
+        pool: PoolT,
         stats: ConnStats,
         name: str,
         *,
         adopt: bool = False,
-    ) -> Listener[PoolT_contra]:
+    ) -> Listener[PoolT]:
         """A listener for the bound socket `sock` (the data plane owns it from now on);
         `adopt`: a socket handed over by an earlier process, used as it is."""
         ...
@@ -90,12 +138,12 @@ class DataPlane(Protocol[PoolT_contra]):
         """Make every listener serve its pool's current endpoints (before rules point at it)."""
         ...
 
-    def affinity_summary(self, pool: PoolT_contra) -> tuple[int, Pins]:
+    def affinity_summary(self, pool: PoolT) -> tuple[int, Pins]:
         """How many ClientIP pins `pool` holds, and up to PINS_SHOWN live ones:
         (client, endpoint, seconds left)."""
         ...
 
-    def balancer_view(self, pool: PoolT_contra) -> BalancerView:
+    def balancer_view(self, pool: PoolT) -> BalancerView:
         """`pool`'s per-endpoint counters, recent picks (per process) and penalized endpoints."""
         ...
 

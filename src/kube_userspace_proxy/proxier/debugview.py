@@ -8,14 +8,14 @@ import heapq
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from kube_userspace_proxy.balancer import BalancerView, EndpointPool
+from kube_userspace_proxy.balancer import BalancerView
 from kube_userspace_proxy.model import Address, Path, ServicePortName
-from kube_userspace_proxy.proxier.contracts import DataPlane
+from kube_userspace_proxy.proxier.contracts import DataPlane, PoolT
 from kube_userspace_proxy.proxier.served import Served
 
 
 def names_shown(
-    served_ports: Mapping[ServicePortName, Served], errors: Mapping[ServicePortName, str]
+    served_ports: Mapping[ServicePortName, Served[Any]], errors: Mapping[ServicePortName, str]
 ) -> list[ServicePortName]:
     """The service ports the view shows, unsorted: those served and those that failed."""
     shown = list(served_ports)
@@ -24,9 +24,9 @@ def names_shown(
 
 
 def entries(
-    served_ports: Mapping[ServicePortName, Served],
+    served_ports: Mapping[ServicePortName, Served[PoolT]],
     errors: Mapping[ServicePortName, str],
-    dataplane: DataPlane[EndpointPool],
+    dataplane: DataPlane[PoolT],
     names: Iterable[ServicePortName],
 ) -> Iterator[tuple[str, dict[str, Any]]]:
     """The view of each of `names` in turn, as it is when reached (gone ones are skipped)."""

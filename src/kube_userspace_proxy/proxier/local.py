@@ -6,6 +6,7 @@ import socket
 
 from kube_userspace_proxy.balancer import PINS_SHOWN, BalancerView, EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener
+from kube_userspace_proxy.model import ServicePortName
 from kube_userspace_proxy.proxier.contracts import DataPlane, Listener, Pins
 
 
@@ -17,6 +18,9 @@ class LocalDataPlane:
     def __init__(self, *, udp_idle_timeout: float = 0.25, tcp_keepalive: float = 15.0) -> None:
         self.udp_idle_timeout = udp_idle_timeout
         self.tcp_keepalive = tcp_keepalive
+
+    def new_pool(self, name: ServicePortName) -> EndpointPool:
+        return EndpointPool(name)
 
     def listener(
         self,

@@ -9,24 +9,24 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Callable, Iterable, Sequence
+from typing import Generic
 
-from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.errors import PortInUseError
 from kube_userspace_proxy.model import Path, Protocol, SocketKey
 from kube_userspace_proxy.ports import DescriptorBudget
-from kube_userspace_proxy.proxier.contracts import DataPlane
+from kube_userspace_proxy.proxier.contracts import DataPlane, PoolT
 from kube_userspace_proxy.proxier.served import Retired, Served
 
 
-class NodePorts:
+class NodePorts(Generic[PoolT]):
     """Opens, repoints and closes the NodePort sockets of served service ports."""
 
     def __init__(
         self,
-        dataplane: DataPlane[EndpointPool],
+        dataplane: DataPlane[PoolT],
         budget: DescriptorBudget,
         addresses: Callable[[], Sequence[str]],
-        retired: Retired,
+        retired: Retired[PoolT],
     ) -> None:
         self._dataplane = dataplane
         self._budget = budget
@@ -39,7 +39,7 @@ class NodePorts:
         """Before the first sync: serve on these handed-over sockets instead of binding."""
         self._adopted = dict(node_ports)
 
-    async def open(self, served: Served) -> None:
+    async def open(self, served: Served[PoolT]) -> None:
         """Hold `served`'s NodePort on every NodePort address, all or none."""
         info = served.info
         pool = served.pools.get(Path.EXTERNAL) or served.pools[Path.CLUSTER]
@@ -88,7 +88,7 @@ class NodePorts:
         """The addresses NodePort sockets belong on now (they may follow the node's IPs)."""
         return tuple(self._addresses())
 
-    async def follow(self, served: Served, addresses: Sequence[str]) -> None:
+    async def follow(self, served: Served[PoolT], addresses: Sequence[str]) -> None:
         """Bind `served`'s NodePort sockets again when the addresses they belong on moved."""
         if [address for address, _ in served.node_port_listeners] == list(addresses):
             return
@@ -100,14 +100,14 @@ class NodePorts:
         await self.open(served)
 
     @staticmethod
-    def point(served: Served) -> None:
+    def point(served: Served[PoolT]) -> None:
         """NodePort sockets serve external traffic: give them that path's pool."""
         pool = served.pools.get(Path.EXTERNAL) or served.pools[Path.CLUSTER]
         for _, listener in served.node_port_listeners:
             if listener.picker is not pool:
                 listener.set_picker(pool)
 
-    def close(self, served: Served) -> None:
+    def close(self, served: Served[PoolT]) -> None:
         """Close `served`'s NodePort sockets (open connections finish)."""
         for _, listener in served.node_port_listeners:
             self._retired.close_later(listener)

@@ -12,10 +12,9 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Generic, cast
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
@@ -32,7 +31,7 @@ from kube_userspace_proxy.model import (
 from kube_userspace_proxy.ports import DescriptorBudget, PortAllocator
 from kube_userspace_proxy.proxier import debugview
 from kube_userspace_proxy.proxier.commits import SLICE_SECONDS, CommitScheduler
-from kube_userspace_proxy.proxier.contracts import DataPlane, Listener, RuleSink
+from kube_userspace_proxy.proxier.contracts import DataPlane, Listener, PoolT, RuleSink
 from kube_userspace_proxy.proxier.local import LocalDataPlane
 from kube_userspace_proxy.proxier.nodeports import NodePorts
 from kube_userspace_proxy.proxier.portbook import PortBook, ports_of
@@ -45,7 +44,7 @@ LOG_EACH_OPENED = 100
 """New service ports in one sync up to which each gets an INFO line."""
 
 
-class Proxier:
+class Proxier(Generic[PoolT]):
     """Owns the proxy ports: opens, updates and closes listeners to match each Snapshot."""
 
     def __init__(
@@ -55,28 +54,31 @@ class Proxier:
         portals: RuleSink | None = None,
         udp_idle_timeout: float = 0.25,
         node_port_addresses: Callable[[], Sequence[str]] | None = None,
-        dataplane: DataPlane[EndpointPool] | None = None,
+        dataplane: DataPlane[PoolT] | None = None,
         budget: DescriptorBudget | None = None,
     ) -> None:
         self._budget = budget or DescriptorBudget()
         # Service ports refused because the descriptor budget is spent.
         self._over_budget: set[ServicePortName] = set()
         self._reconcile_lock = asyncio.Lock()
-        self._dataplane = dataplane or LocalDataPlane(udp_idle_timeout=udp_idle_timeout)
+        # Without one (tests, tools): this process's own, whose pools are EndpointPools.
+        self._dataplane: DataPlane[PoolT] = dataplane or cast(
+            "DataPlane[PoolT]", LocalDataPlane(udp_idle_timeout=udp_idle_timeout)
+        )
         self._book = PortBook(allocator, self._budget)
         self._commits = CommitScheduler(
             self._book, self._reconcile_lock, self.proxied_ports, portals
         )
-        self._retired = Retired()
+        self._retired: Retired[PoolT] = Retired()
         self._node_ports = NodePorts(
             self._dataplane,
             self._budget,
             node_port_addresses or (lambda: (allocator.host,)),
             self._retired,
         )
-        self._served: dict[ServicePortName, Served] = {}
+        self._served: dict[ServicePortName, Served[PoolT]] = {}
         self._errors: dict[ServicePortName, str] = {}
-        self._opened: list[Served] = []  # announced once they serve
+        self._opened: list[Served[PoolT]] = []  # announced once they serve
         self.node_name: str | None = None
         self.source: SourcePolicy | None = None
         self._node_zone = ""
@@ -271,13 +273,13 @@ class Proxier:
         served = self._served.get(name)
         new = served is None
         if served is None:
-            served = Served(info=info, stats=ConnStats(), pools={})
+            served = Served(info=info, stats=ConnStats())
             self._commits.target_changed()
         elif served.info is not info:
             self._commits.target_changed()  # the rules are rendered from the info
             served.target = None
         served.info = info
-        fresh: list[tuple[Path, Listener[EndpointPool]]] = []
+        fresh: list[tuple[Path, Listener[PoolT]]] = []
         try:
             if Path.CLUSTER not in served.listeners:
                 fresh.append((Path.CLUSTER, self._open(served, Path.CLUSTER)))
@@ -319,10 +321,10 @@ class Proxier:
         if new:
             self._opened.append(served)
 
-    def _open(self, served: Served, path: Path) -> Listener[EndpointPool]:
+    def _open(self, served: Served[PoolT], path: Path) -> Listener[PoolT]:
         """Take a proxy port for `path` and make its listener; the caller starts it."""
         info = served.info
-        pool = EndpointPool(info.name)
+        pool = self._dataplane.new_pool(info.name)
         sock, adopt = self._book.take(info, path)
         listener = self._dataplane.listener(sock, pool, served.stats, str(info.name), adopt=adopt)
         served.pools[path] = pool
@@ -338,7 +340,7 @@ class Proxier:
         self._node_ports.close(served)
         log.info("%s: removed (proxy port closed; open connections finish)", name)
 
-    def _retire(self, served: Served, path: Path) -> None:
+    def _retire(self, served: Served[PoolT], path: Path) -> None:
         """Close the listener of `path`; its port stays out of use until no rule names it."""
         listener = served.listeners.pop(path)
         served.pools.pop(path, None)

@@ -1,8 +1,11 @@
 """The workers as the proxier's data plane: `WorkerPool` and the `SharedPort`s it hands out.
 
 The control process keeps the reserved socket of every proxy port (and NodePort) and hands
-the proxier `SharedPort`s in place of listeners. `WorkerPool` is the one object the rest of
-the program holds; it wires the parts that do the work:
+the proxier `SharedPort`s in place of listeners, and `EndpointSet`s in place of the
+`balancer.EndpointPool`s the workers pick from: the control process never picks, so it keeps
+the endpoints and nothing of a balancer's state (cursor, tallies, pins, penalties).
+`WorkerPool` is the one object the rest of the program holds; it wires the parts that do the
+work:
 
 - `supervisor.Supervisor` keeps the worker processes running (spare, restarts);
 - `publisher.Publisher` sends them the table and deltas after each reconcile;
@@ -14,10 +17,11 @@ the program holds; it wires the parts that do the work:
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 
-from kube_userspace_proxy.balancer import BalancerView, PoolView
+from kube_userspace_proxy.balancer import BalancerView, PoolView, Transparency
 from kube_userspace_proxy.dataplane import ConnStats
-from kube_userspace_proxy.model import SocketKey
+from kube_userspace_proxy.model import Address, Endpoint, ServicePortName, SocketKey, SourcePolicy
 from kube_userspace_proxy.workers.counters import Counters
 from kube_userspace_proxy.workers.groups import Groups
 from kube_userspace_proxy.workers.handover import Handover
@@ -26,9 +30,80 @@ from kube_userspace_proxy.workers.protocol import Collected, Pin, Settings
 from kube_userspace_proxy.workers.publisher import Publisher
 from kube_userspace_proxy.workers.supervisor import Supervisor
 
+_OPAQUE: Transparency = (None, ())
+"""No transparent dialing, no endpoint on this node."""
+
+
+class EndpointSet:
+    """A pool as the control process keeps it while the workers serve: what they are sent.
+
+    The `PoolView` the publisher describes to the workers and the `Pool` the proxier fills,
+    as `EndpointPool.update` would (the same addresses, timeout and local endpoints), with
+    slots: 10,000 of them are held, one per service port and path.
+    """
+
+    __slots__ = (
+        "__weakref__",  # the publisher ids pools weakly
+        "_local",
+        "addresses",
+        "affinity_timeout",
+        "name",
+        "proxy_protocol",
+        "source",
+    )
+
+    def __init__(self, name: ServicePortName) -> None:
+        self.name = name
+        self.addresses: tuple[Address, ...] = ()
+        """The usable endpoint addresses, in round-robin order."""
+        self.affinity_timeout: float | None = None
+        """The ClientIP affinity timeout in seconds now in force; None without affinity."""
+        self.proxy_protocol = 0
+        """PROXY protocol version the workers send these endpoints first (0: none)."""
+        self.source: SourcePolicy | None = None
+        """Transparent dialing (--preserve-source-ip) and the node's local clients; None: off."""
+        self._local: tuple[Address, ...] = ()  # the usable endpoints on this node, in order
+
+    def __len__(self) -> int:
+        return len(self.addresses)
+
+    def update(
+        self,
+        endpoints: Sequence[Endpoint],
+        *,
+        affinity_timeout: float | None,
+        local: frozenset[Address] = frozenset(),
+    ) -> None:
+        """Take a new endpoint list, the affinity timeout and which endpoints run on this node."""
+        addresses = tuple(dict.fromkeys(e.address for e in endpoints))
+        if addresses != self.addresses:  # unchanged: keep the tuple the entries already share
+            self.addresses = addresses
+        self.affinity_timeout = (
+            affinity_timeout if affinity_timeout is not None and affinity_timeout > 0 else None
+        )
+        self._local = tuple(a for a in self.addresses if a in local) if local else ()
+
+    @property
+    def transparency(self) -> Transparency:
+        """The source policy's CIDRs (None: off) and the local endpoints, for the workers."""
+        source = self.source
+        if source is None and not self._local:
+            return _OPAQUE  # the publisher keeps one per pool: share the common one
+        return (None if source is None else source.client_cidrs, self._local)
+
+    def source_choices(self) -> dict[Address, str]:
+        """Per usable endpoint, the source address its dials get under --preserve-source-ip
+        (as `EndpointPool.source_choices`); {} while off."""
+        if self.source is None:
+            return {}
+        local = set(self._local)
+        return {a: "client" if a in local else "client-if-pod" for a in self.addresses}
+
 
 class SharedPort:
     """A proxy port (or NodePort) served by the workers; this process holds its reservation."""
+
+    __slots__ = ("_pool", "_sock", "key", "name", "picker", "stats", "v6only")
 
     def __init__(
         self, pool: WorkerPool, sock: socket.socket, picker: PoolView, stats: ConnStats, name: str
@@ -132,6 +207,10 @@ class WorkerPool:
         self._handover = Handover(replies, self._supervisor.live)
 
     # ---- the proxier's data plane ------------------------------------------------------------
+
+    def new_pool(self, name: ServicePortName) -> EndpointSet:
+        """The workers pick; this process only describes each pool to them."""
+        return EndpointSet(name)
 
     def listener(
         self,
