@@ -73,4 +73,6 @@ def test_an_endpoint_set_is_smaller_than_a_pool() -> None:
     for each in (pool, kept):
         each.update(endpoints, affinity_timeout=None)
     assert not hasattr(kept, "__dict__")
-    assert sys.getsizeof(kept) < sys.getsizeof(pool) + sys.getsizeof(pool.__dict__)
+    # Both slotted (the pool since the worker-memory work): the set holds fewer slots.
+    pool_size = sys.getsizeof(pool) + sys.getsizeof(getattr(pool, "__dict__", {}))
+    assert sys.getsizeof(kept) < pool_size
