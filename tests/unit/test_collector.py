@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import gc
 from collections.abc import Iterator
 
 import pytest
 
 from kube_userspace_proxy import collector
+from tests import polling
 
 
 @pytest.fixture(autouse=True)
@@ -55,9 +55,7 @@ async def test_a_hold_ends_by_itself_at_its_limit_without_a_freeze() -> None:
     hold = collector.Hold(limit=0.05)
     hold.begin()
     frozen = gc.get_freeze_count()
-    deadline = asyncio.get_running_loop().time() + 10
-    while not gc.isenabled() and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.01)
+    await polling.eventually(gc.isenabled, "the hold to end at its limit")
     assert gc.isenabled() and not hold.held
     assert gc.get_freeze_count() == frozen
 
