@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -158,3 +161,11 @@ async def running_proxy(config: ProxyConfig) -> AsyncIterator[app.Proxy]:
         stop.set()
         code = await asyncio.wait_for(task, 15)
         assert code == 0
+
+
+def printed_by(script: str) -> Any:
+    """What `script`, run in a fresh interpreter, printed as JSON (what it imported, say)."""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(done.stdout)

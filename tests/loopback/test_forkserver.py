@@ -4,11 +4,8 @@ a worker's slot is served again after the worker, or the fork server itself, die
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from kube_userspace_proxy.workers import supervisor
 from tests.loopback.proxyrun import (
     endpoint_slice,
     loopback_config,
+    printed_by,
     running_proxy,
     service,
     start_named_backends,
@@ -115,10 +113,7 @@ def test_the_fork_server_loads_the_data_plane_and_none_of_the_control_plane() ->
         "import kube_userspace_proxy.workers.forkserver\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
-    loaded = set(json.loads(done.stdout))
+    loaded = set(printed_by(script))
     assert "kube_userspace_proxy.workers.process" in loaded
     assert "kube_userspace_proxy.dataplane" in loaded
     assert not {m for m in loaded if m.split(".")[0] in FORBIDDEN}

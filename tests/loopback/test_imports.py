@@ -9,7 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from tests.loopback.proxyrun import LOOPBACK_RUN_FLAGS, endpoint_slice, service, write_manifests
+from tests.loopback.proxyrun import (
+    LOOPBACK_RUN_FLAGS,
+    endpoint_slice,
+    printed_by,
+    service,
+    write_manifests,
+)
 
 # Runs the command as `python -m kube_userspace_proxy` does, and writes the names of the
 # modules it loaded to the file in argv[1] as it exits.
@@ -79,10 +85,7 @@ def test_the_restore_backend_never_imports_iptc() -> None:
         "assert isinstance(make_backend('restore'), RestoreBackend)\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
-    loaded = set(json.loads(done.stdout))
+    loaded = set(printed_by(script))
     assert "kube_userspace_proxy.portals.restore" in loaded
     assert "iptc" not in loaded
     assert "kube_userspace_proxy.portals.iptc" not in loaded
@@ -99,10 +102,7 @@ def test_the_kube_source_loads_none_of_the_generated_models_until_asked() -> Non
         "from kubernetes_asyncio.client import V1Service\n"  # code that wants more gets it
         "print(json.dumps([before, V1Service.__name__]))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
-    before, model = json.loads(done.stdout)
+    before, model = printed_by(script)
     assert model == "V1Service"
     assert "kubernetes_asyncio.client.api.core_v1_api" in before
     assert not [m for m in before if m.startswith("kubernetes_asyncio.client.models.")]
