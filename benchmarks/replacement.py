@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from benchmarks.testbed import command, memory_kib, process_tree  # noqa: E402
 from kube_userspace_proxy import app  # noqa: E402
 from kube_userspace_proxy.config.settings import ProxyConfig  # noqa: E402
 from kube_userspace_proxy.workers import supervisor  # noqa: E402
+from tests.loopback import proxyrun  # noqa: E402
 from tests.loopback.proxyrun import (  # noqa: E402
     endpoint_slice,
     loopback_config,
@@ -58,20 +58,9 @@ def manifest(path: Path, count: int) -> None:
     write_manifests(path, objects)
 
 
-@contextlib.asynccontextmanager
-async def running_proxy(config: ProxyConfig) -> AsyncIterator[app.Proxy]:
+def running_proxy(config: ProxyConfig) -> contextlib.AbstractAsyncContextManager[app.Proxy]:
     """The loopback tests' `running_proxy`, with deadlines for 10,000 Services."""
-    stop = asyncio.Event()
-    ready: asyncio.Future[app.Proxy] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(app.serve(config, stop=stop, started=ready.set_result))
-    try:
-        proxy = await asyncio.wait_for(asyncio.shield(ready), 120)
-        assert proxy.synced_once is not None
-        await asyncio.wait_for(proxy.synced_once.wait(), 300)
-        yield proxy
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 120)
+    return proxyrun.running_proxy(config, start=120, sync=300, stop_within=120)
 
 
 def tree_memory() -> dict[str, Any]:

@@ -143,8 +143,12 @@ def loopback_config(manifests: Path, **overrides: Any) -> ProxyConfig:
 
 
 @contextlib.asynccontextmanager
-async def running_proxy(config: ProxyConfig) -> AsyncIterator[app.Proxy]:
-    """Serve `config` in this event loop until the block ends; yields the running Proxy."""
+async def running_proxy(
+    config: ProxyConfig, start: float = 10, sync: float = 10, stop_within: float = 15
+) -> AsyncIterator[app.Proxy]:
+    """Serve `config` in this event loop until the block ends; yields the running Proxy.
+    The waits for its start, first sync and stop are never shorter than the suite's floor
+    (tests/polling.py)."""
     stop = asyncio.Event()
     ready: asyncio.Future[app.Proxy] = asyncio.get_running_loop().create_future()
 
@@ -153,13 +157,13 @@ async def running_proxy(config: ProxyConfig) -> AsyncIterator[app.Proxy]:
 
     task = asyncio.create_task(app.serve(config, stop=stop, started=started))
     try:
-        proxy = await asyncio.wait_for(asyncio.shield(ready), 10)
+        proxy = await asyncio.wait_for(asyncio.shield(ready), polling.bound(start))
         assert proxy.synced_once is not None
-        await asyncio.wait_for(proxy.synced_once.wait(), 10)
+        await asyncio.wait_for(proxy.synced_once.wait(), polling.bound(sync))
         yield proxy
     finally:
         stop.set()
-        code = await asyncio.wait_for(task, 15)
+        code = await asyncio.wait_for(task, polling.bound(stop_within))
         assert code == 0
 
 
