@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import platform
@@ -566,18 +567,26 @@ class Run:
         held = IdleConnections(bed, peer.http, HTTP_PORT, count)
         try:
             opened, errors = held.opened(timeout=120)
-            wait_for(
-                lambda: bed.pod_connections() >= base + opened,
-                f"{opened} connections at the pods",
-                timeout=60,
-                interval=0.5,
-            )
+            # A peer may drop a few of them (the Go proxier closes a client whose dial ladder
+            # ran out under load): what reached the pods is recorded, not a failed run.
+            with contextlib.suppress(AssertionError):
+                wait_for(
+                    lambda: bed.pod_connections() >= base + opened,
+                    f"{opened} connections at the pods",
+                    timeout=60,
+                    interval=0.5,
+                )
+            at_pods = bed.pod_connections() - base
             rss, pss = memory(pids)
         finally:
             held.close()
         wait_for(lambda: bed.pod_connections() <= base, "idle connections closed", timeout=60)
+        if at_pods < opened:
+            lost = opened - at_pods
+            print(f"  {peer.key}: {lost} of {opened} idle connections never reached a pod")
         return {
             "connections": opened,
+            "at_pods": at_pods,
             "errors": errors,
             "rss_kib": rss,
             "pss_kib": pss,
