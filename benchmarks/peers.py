@@ -17,6 +17,7 @@ chosen by client address; the client namespace SNATs its connections to them in 
               serial in the accept loop, two io.Copy loops), built with Debian's golang-go
   protocol    the floor for a Python proxy: `protocolproxy.py`, one uvloop process,
               asyncio.Protocol, round robin, pause/resume flow control
+  protocol-auto  the same in N processes on one port (SO_REUSEPORT): the floor for N workers
   tproxy-1, tproxy-auto   (only when named in --peers) proxy-1 and proxy-auto with
               `--preserve-source-ip`: every backend sees the client's own address
 
@@ -154,6 +155,7 @@ PEERS = (
     "nginx",
     "go-userspace",
     "protocol",
+    "protocol-auto",
 )
 BASELINE_PEERS = ("base-1", "base-auto")  # with --baseline SRC: this proxy from another tree
 # Only when named in --peers: this proxy with --preserve-source-ip, every dial from the client's
@@ -362,17 +364,20 @@ class GoUserspace(Peer):
 
 @dataclass
 class ProtocolProxy(Peer):
-    """The minimal uvloop asyncio.Protocol proxy (benchmarks/protocolproxy.py), one process."""
+    """The minimal uvloop asyncio.Protocol proxy (benchmarks/protocolproxy.py): one process,
+    or `processes` of them on the same ports (SO_REUSEPORT)."""
 
     ports: tuple[int, int] = (39080, 39201)
+    processes: int = 1
 
     def redirect(self) -> tuple[int, int]:
         return self.ports
 
     def start(self, bed: Testbed, tmp: Path) -> None:
-        log = tmp / "protocolproxy.log"
+        log = tmp / f"{self.key}.log"
         script = str(BENCHMARKS / "protocolproxy.py")
-        self.proc = bed.node.popen([sys.executable, script, *listen_args(self.ports)], log)
+        argv = [sys.executable, script, "--processes", str(self.processes)]
+        self.proc = bed.node.popen([*argv, *listen_args(self.ports)], log)
         wait_listening(bed, self.ports, self.proc, log)
 
 
@@ -417,6 +422,13 @@ def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[
         NginxStream("nginx", f"{nginx} stream, {WORKERS} workers", *at(4), workers=WORKERS),
         GoUserspace("go-userspace", "Go userspace proxier (kube-proxy's data path)", *at(7)),
         ProtocolProxy("protocol", "minimal uvloop Protocol proxy", *at(8)),
+        ProtocolProxy(
+            "protocol-auto",
+            f"minimal uvloop Protocol proxy, {WORKERS} processes",
+            *at(12),
+            ports=(39180, 39301),
+            processes=WORKERS,
+        ),
         ThisProxy(
             "tproxy-1",
             "this proxy, --workers 1 --preserve-source-ip",
@@ -681,7 +693,7 @@ def _per_gib(sample: dict[str, Any], key: str) -> float | None:
     return sum(r[key] for r in runs) / (sum(r["bytes"] for r in runs) / GiB)
 
 
-REFERENCES = ("haproxy", "protocol", "go-userspace")
+REFERENCES = ("haproxy", "protocol", "protocol-auto", "go-userspace")
 
 
 def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -828,6 +840,10 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {fig.label} | " + " | ".join(cells) + " |")
     for reference, text in (
         ("protocol", "the minimal Protocol proxy (the floor; own overhead is CPU per request)"),
+        (
+            "protocol-auto",
+            f"the minimal Protocol proxy in {WORKERS} processes (the floor for N workers)",
+        ),
         ("go-userspace", "the Go userspace proxier (what this project replaces)"),
     ):
         if reference not in peers:

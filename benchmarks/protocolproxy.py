@@ -6,14 +6,24 @@ One process; per connection: accept, pick the next endpoint, dial it, relay both
 `pause_reading` / `resume_reading` when the other side's write buffer passes its high-water
 mark, close both on EOF or error. No retries, no logging, no counters.
 
-    python benchmarks/protocolproxy.py LISTEN=ENDPOINT[,ENDPOINT...] [LISTEN=...]
+    python benchmarks/protocolproxy.py [--processes N] LISTEN=ENDPOINT[,ENDPOINT...] [LISTEN=...]
     e.g. 0.0.0.0:45080=10.244.2.10:80,10.244.2.11:80 0.0.0.0:45201=10.244.2.10:5201
+
+`--processes N` (peer `protocol-auto`): N such processes on the same ports (SO_REUSEPORT, the
+kernel spreads connections by hash), each its own loop and round robin: the floor for a
+proxy that runs N workers, so that what N processes cost beyond one (fewer events per loop
+wake-up, more processes on the cores) is not counted as the project's own overhead. The
+first process forks the others, and ends them (SIGTERM) when it is told to end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import itertools
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from typing import cast
@@ -114,15 +124,59 @@ def parse(arg: str) -> tuple[tuple[str, int], list[tuple[str, int]]]:
     return address(listen), [address(e) for e in endpoints.split(",")]
 
 
-async def main(args: list[str]) -> None:
+async def main(args: list[str], reuse_port: bool) -> None:
     loop = asyncio.get_running_loop()
     for arg in args:
         (host, port), endpoints = parse(arg)
-        await loop.create_server(client_side(itertools.cycle(endpoints)), host, port, backlog=4096)
+        await loop.create_server(
+            client_side(itertools.cycle(endpoints)),
+            host,
+            port,
+            backlog=4096,
+            reuse_port=reuse_port or None,
+        )
     await asyncio.Event().wait()
 
 
+def fork_others(count: int) -> list[int]:
+    """`count` more processes that go on from here (the children get []), each ended by the
+    kernel if this one dies (PR_SET_PDEATHSIG), and by this one when it gets SIGTERM."""
+    parent = os.getpid()
+    children: list[int] = []
+    for _ in range(count):
+        pid = os.fork()
+        if pid == 0:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:  # it died before prctl
+                os._exit(0)
+            return []
+        children.append(pid)
+
+    def end(signum: int, frame: object) -> None:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGTERM)
+        for child in children:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child, 0)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, end)
+    return children
+
+
+PR_SET_PDEATHSIG = 1
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
+    argv = sys.argv[1:]
+    processes = 1
+    if argv[:1] == ["--processes"] and len(argv) > 1:
+        processes = max(1, int(argv[1]))
+        argv = argv[2:]
+    if not argv:
         sys.exit(__doc__)
-    uvloop.run(main(sys.argv[1:]))
+    if processes > 1:
+        fork_others(processes - 1)
+    uvloop.run(main(argv, reuse_port=processes > 1))
