@@ -95,6 +95,7 @@ from testbed import (
     install_missing,
     long_lived,
     memory_kib,
+    resident_kib,
     source_commit,
     version,
 )
@@ -529,6 +530,7 @@ class Run:
             if pids:
                 out["processes"] = len(pids)
                 out["rss_start_kib"], out["pss_start_kib"] = memory(pids)
+                out["resident_start_kib"] = resident_kib(pids)
                 out["rss_start_by_process_kib"] = [memory_kib(pid)[0] for pid in pids]
                 out["process_names"] = [command(pid) for pid in pids]
             url = f"http://{peer.http}:{HTTP_PORT}/"
@@ -679,6 +681,12 @@ FIGURES = (
         lambda s: _per_gib(s, "path_cpu_s"),
     ),
     Figure("rss_start", "RSS after start, MB", ".1f", _mb("rss_start_kib")),
+    Figure(
+        "resident_start",
+        "memory after start, each page once, MB",
+        ".1f",
+        _mb("resident_start_kib"),
+    ),
     Figure("rss_idle", "RSS with the idle connections, MB", ".1f", _mb("idle", "rss_kib")),
     Figure("kib_idle", "RSS per idle connection, KiB", ".2f", _get("idle", "kib_per_connection")),
     Figure("processes", "processes", "d", _get("processes")),
@@ -821,7 +829,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "Ratios of the CPU rows compare the whole path's CPU per unit of work (wrk + nginx or"
         " iperf3 + the peer) with kernel DNAT's, which has no process of its own. RSS is summed"
-        " over the peer's processes.",
+        " over the peer's processes, so a page forked processes share counts once in each;"
+        " the 'each page once' row counts the physical pages of all of them once (pagemap).",
         "",
         "Ratios to HAProxy (the issue's targets are written against it):",
         "",
