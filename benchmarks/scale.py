@@ -336,7 +336,7 @@ def proxy_processes(pid: int) -> list[dict[str, Any]]:
     """RSS and PSS (MiB), name and open descriptors of the proxy and each of its workers (and
     its fork server). RSS counts a page shared by forked workers once in each of them; PSS
     divides it among every process that maps it (other programs' too, for libraries);
-    `tree_resident_mib` counts each of the tree's pages once."""
+    `tree_memory` also counts each of the tree's pages once."""
     out = []
     for p in process_tree(pid):
         with contextlib.suppress(OSError):
@@ -353,10 +353,18 @@ def proxy_processes(pid: int) -> list[dict[str, Any]]:
     return out
 
 
-def tree_resident_mib(processes: list[dict[str, Any]]) -> float | None:
-    """The tree's physical memory with each page counted once (`testbed.resident_kib`)."""
+def tree_memory(pid: int) -> dict[str, Any]:
+    """The proxy's processes (`proxy_processes`) and their sums: RSS, PSS, the tree's physical
+    memory with each page counted once (`testbed.resident_kib`), the most descriptors."""
+    processes = proxy_processes(pid)
     kib = resident_kib([p["pid"] for p in processes])
-    return None if kib is None else kib / 1024
+    return {
+        "processes": processes,
+        "rss_mib": sum(p["rss_mib"] for p in processes),
+        "pss_mib": sum(p["pss_mib"] for p in processes),
+        "resident_mib": None if kib is None else kib / 1024,
+        "fds_max": max(p["fds"] for p in processes),
+    }
 
 
 def tree_cpu(pid: int) -> float:
@@ -514,11 +522,7 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
         result["sweep_probe_sys_s"] = marks.get("sweep_probe_sys")
         result["unanswered"] = missing
         if args.startup_only:
-            result["processes"] = proxy_processes(proc.pid)
-            result["rss_mib"] = sum(p["rss_mib"] for p in result["processes"])
-            result["pss_mib"] = sum(p["pss_mib"] for p in result["processes"])
-            result["resident_mib"] = tree_resident_mib(result["processes"])
-            result["fds_max"] = max(p["fds"] for p in result["processes"])
+            result.update(tree_memory(proc.pid))
             return result
         await asyncio.sleep(3)  # settle: the first syncs' leftovers
 
@@ -528,11 +532,7 @@ async def scenario(args: argparse.Namespace) -> dict[str, Any]:
         cpu1, t1 = tree_cpu(proc.pid), time.monotonic()
         result["idle_cpu_percent"] = 100 * (cpu1 - cpu0) / (t1 - t0)
         result["idle_cpu_s_per_min"] = 60 * (cpu1 - cpu0) / (t1 - t0)
-        result["processes"] = proxy_processes(proc.pid)
-        result["rss_mib"] = sum(p["rss_mib"] for p in result["processes"])
-        result["pss_mib"] = sum(p["pss_mib"] for p in result["processes"])
-        result["resident_mib"] = tree_resident_mib(result["processes"])
-        result["fds_max"] = max(p["fds"] for p in result["processes"])
+        result.update(tree_memory(proc.pid))
 
         # Add a Service: the Service and its slice created together.
         profile("changes", 2 * args.changes * (args.spacing + 0.3))
