@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -50,17 +51,30 @@ BACKEND_PORTS = range(18000, 18016)
 LINGER_RESET = struct.pack("ii", 1, 0)
 
 
-def children() -> list[int]:
-    """The process ids of this process's children (the workers and the spare)."""
+def children(pid: int) -> list[int]:
+    """The process ids of `pid`'s children."""
     out: list[int] = []
-    for task in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
             out += [int(p) for p in f.read().split()]
+    return out
+
+
+def descendants() -> list[int]:
+    """The process ids under this one: the fork server, and the workers and the spare it
+    forked (they are its children, not this process's)."""
+    out: list[int] = []
+    todo = children(os.getpid())
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        with contextlib.suppress(FileNotFoundError):  # it exited meanwhile
+            todo += children(pid)
     return sorted(out)
 
 
 def rss_mib() -> dict[int, float]:
-    return {pid: memory_kib(pid)[0] / 1024 for pid in children()}
+    return {pid: memory_kib(pid)[0] / 1024 for pid in descendants()}
 
 
 class _Answer(asyncio.Protocol):

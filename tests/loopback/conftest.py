@@ -74,7 +74,7 @@ class RoundRobin:
         self._next = 0
         self.proxy_protocol = 0
         self.source = None
-        self.picked = EndpointTally(("", 0))
+        self.picked = EndpointTally()
 
     def pick(self, client_ip: str, *, retry: bool = False) -> tuple[str, int] | None:
         if retry:

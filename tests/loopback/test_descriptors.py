@@ -35,7 +35,7 @@ CHILD = textwrap.dedent(
             self.failed = 0
             self.proxy_protocol = 0
             self.source = None
-            self.picked = EndpointTally(self.address)
+            self.picked = EndpointTally()
         def pick(self, client_ip, *, retry=False):
             return self.address
         def dial_failed(self, address):

@@ -440,13 +440,54 @@ def test_recent_picks_name_affinity_retries_and_the_all_penalized_fallback() -> 
     assert pool.penalized() == []
 
 
+def test_recent_picks_still_name_the_endpoints_picked_after_they_moved_or_went() -> None:
+    pool = pool_of(eps(4))
+    picked = [pool.pick("10.1.0.1") for _ in range(6)]
+    shown = pool.recent_picks()
+    assert [a for a, _ in shown] == picked
+    # 10.0.0.2 and 10.0.0.4 go, the others change places, two come.
+    new = [Endpoint("10.0.0.9", 8080), *reversed(eps(3)[::2]), Endpoint("10.0.0.8", 8080)]
+    pool.update(new, affinity_timeout=None)
+    assert pool.recent_picks() == shown
+    more = [pool.pick("10.1.0.1") for _ in range(5)]
+    assert [a for a, _ in pool.recent_picks()] == picked + more
+    assert set(more) == {e.address for e in new}
+    pool.update([], affinity_timeout=None)  # every endpoint goes
+    assert [a for a, _ in pool.recent_picks()] == picked + more
+    pool.update(eps(1), affinity_timeout=None)
+    again = [pool.pick("10.1.0.1") for _ in range(30)]
+    assert [a for a, _ in pool.recent_picks()] == (picked + more + again)[-32:]
+
+
+@pytest.mark.parametrize("count", [64, 65, 16384, 16385])
+def test_recent_picks_of_pools_of_many_endpoints(count: int) -> None:
+    # Past 64 endpoints, then past 16,384, a pick takes more than a byte to remember.
+    many = [Endpoint(f"10.{i >> 16}.{i >> 8 & 255}.{i & 255}", 80) for i in range(count)]
+    clock = Clock()
+    pool = pool_of(many[:10], clock, timeout=60)
+    pool.pick("10.1.0.1")
+    pool.update(many, affinity_timeout=60)  # grows past the width of its ring
+    pool.dial_failed(many[0].address)
+    pool.dial_failed(many[1].address)
+    picked = [pool.pick(f"10.2.0.{i}") for i in range(40)]
+    assert picked[0] == many[2].address  # the two penalized are skipped
+    assert pool.pick("10.2.0.39") == picked[-1]
+    picked.append(picked[-1])
+    pool.update(many[-3:], affinity_timeout=60)  # shrinks: the ring names the gone ones
+    picked.append(pool.pick("10.2.0.39"))  # its endpoint went: picked anew
+    assert picked[-1] in {e.address for e in many[-3:]}
+    assert [a for a, _ in pool.recent_picks()] == picked[-32:]
+    kinds = [why for _, why in pool.recent_picks()]
+    assert kinds == ["round-robin"] * 30 + ["affinity", "round-robin"]
+
+
 def test_picked_is_the_tally_of_the_endpoint_just_picked_and_survives_updates() -> None:
     pool = pool_of(eps(3))
     address = pool.pick("10.1.0.1")
     tally = pool.picked
-    assert tally.address == address
     tally.total += 1
     tally.bytes_in += 100
+    assert dict(pool.tallies())[address] == (0, 1, 100, 0, 0)
     pool.dial_failed(("10.0.0.2", 8080))
     pool.update(eps(2), affinity_timeout=None)  # 10.0.0.3 goes, the others stay
     assert pool.tallies() == [
@@ -460,8 +501,7 @@ def test_a_pool_never_picked_from_reads_zeros_and_counts_from_its_first_pick() -
     pool.update(eps(3), affinity_timeout=None)
     assert pool.tallies() == [((f"10.0.0.{i}", 8080), (0, 0, 0, 0, 0)) for i in (1, 2, 3)]
     assert pool.recent_picks() == []
-    address = pool.pick("10.1.0.1")
-    assert pool.picked.address == address == ("10.0.0.1", 8080)
+    assert pool.pick("10.1.0.1") == ("10.0.0.1", 8080)
     pool.picked.total += 1
     assert pool.tallies()[0] == (("10.0.0.1", 8080), (0, 1, 0, 0, 0))
     assert pool.recent_picks() == [(("10.0.0.1", 8080), "round-robin")]

@@ -69,9 +69,43 @@ class Settings:
 
 
 # Dialed sockets get their keepalive options this long after the dial, in one batch per
-# listener: a connection that ends sooner (most short requests) costs no setsockopt at all.
+# event loop: a connection that ends sooner (most short requests) costs no setsockopt at all.
 # The bound that matters (keepalive, 15 s by default) is much longer than this delay.
 KEEPALIVE_DELAY = 1.0
+
+
+class KeepAlive:
+    """Connections dialed in the last KEEPALIVE_DELAY seconds, their dialed sockets waiting
+    for keepalive: one batch and one timer for the process (per listener, a dict and a timer
+    for each port just used, 10,000 in a worker, were made and freed among what the ports keep
+    for good: its memory was left in pieces). A connection leaves as it closes: freed then."""
+
+    __slots__ = ("conns", "loop", "timer")
+
+    def __init__(self) -> None:
+        self.conns: dict[Connection, None] = {}  # an ordered set
+        self.timer: asyncio.TimerHandle | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the timer's
+
+    def add(self, conn: Connection) -> None:
+        """Set keepalive on `conn`'s dialed socket within KEEPALIVE_DELAY, if it lives."""
+        loop = conn.shared.loop
+        if self.timer is None or loop is not self.loop:
+            # A batch of another loop (one that closed: tests run many) is not swept: dropped.
+            self.conns = {}
+            self.loop = loop
+            self.timer = loop.call_later(KEEPALIVE_DELAY, self._sweep)
+        self.conns[conn] = None
+
+    def _sweep(self) -> None:
+        conns, self.conns, self.timer = self.conns, {}, None
+        for conn in conns:
+            b = conn.backend
+            if b is not None and not b.transport.is_closing():
+                set_options(b.transport, conn.settings.keepalive)
+
+
+keepalive = KeepAlive()  # the process's batch
 
 
 class Shared:
@@ -85,8 +119,6 @@ class Shared:
         "picker",
         "splice",
         "stats",
-        "sweep",
-        "young",
     )
 
     def __init__(
@@ -102,28 +134,10 @@ class Shared:
         self.picker = picker
         self.stats = stats
         self.splice = splice  # cleared for good once splice(2) proves unusable here
-        self.conns: set[Connection] = set()
+        # The open connections, as an ordered set: a dict, emptied by clear() as its last
+        # connection closes (64 B; a set keeps its 0.2 KiB: a port used once held it for good).
+        self.conns: dict[Connection, None] = {}
         self.idle: asyncio.Future[None] | None = None  # set while drain() waits
-        # Dialed in the last KEEPALIVE_DELAY seconds, keepalive not yet set (a list while the
-        # timer runs); and its timer.
-        self.young: list[Connection] | None = None
-        self.sweep: asyncio.TimerHandle | None = None
-
-    def keep_alive(self, conn: Connection) -> None:
-        """Set keepalive on `conn`'s dialed socket within KEEPALIVE_DELAY, if it lives."""
-        if self.young is None:
-            self.young = [conn]
-            self.sweep = self.loop.call_later(KEEPALIVE_DELAY, self._sweep)
-        else:
-            self.young.append(conn)
-
-    def _sweep(self) -> None:
-        young, self.young = self.young or [], None
-        self.sweep = None
-        for conn in young:
-            b = conn.backend
-            if b is not None and not b.transport.is_closing():
-                set_options(b.transport, conn.settings.keepalive)
 
 
 class BackendSide(asyncio.Protocol):
@@ -260,7 +274,7 @@ class Connection(asyncio.Protocol):
         stats = self.stats
         stats.accepted += 1
         stats.active += 1
-        self.shared.conns.add(self)
+        self.shared.conns[self] = None
         settings = self.settings
         transport.set_write_buffer_limits(settings.high_water, settings.low_water)
 
@@ -309,7 +323,7 @@ class Connection(asyncio.Protocol):
         shared = self.shared
         self.stats.active -= 1
         conns = shared.conns
-        conns.discard(self)
+        conns.pop(self, None)
         if self.dial is not None:
             self.dial.cancel()
             self.dial = None
@@ -317,6 +331,7 @@ class Connection(asyncio.Protocol):
         if b is not None:
             self.stats.completed += 1
             self.ep.active -= 1
+            keepalive.conns.pop(self, None)  # freed now, not at the sweep (see KeepAlive)
             if self.settings.log_connections:
                 log.debug(
                     "%s: %s closed (%s)", self.shared.name, _peer(self.transport), exc or "normal"
@@ -332,8 +347,10 @@ class Connection(asyncio.Protocol):
         # connection is freed by reference counting, not left (with both transports) for
         # the cyclic collector, whose passes over thousands of them stall the loop.
         self.backend = None
-        if not conns and shared.idle is not None and not shared.idle.done():
-            shared.idle.set_result(None)
+        if not conns:
+            conns.clear()  # its table goes (see Shared.conns)
+            if shared.idle is not None and not shared.idle.done():
+                shared.idle.set_result(None)
 
     # --- dialing
 
@@ -395,7 +412,7 @@ class Connection(asyncio.Protocol):
                 ep.active += 1
                 ep.total += 1
                 if settings.keepalive:
-                    shared.keep_alive(self)
+                    keepalive.add(self)
                 self.backend_connected()
             return
         stats.failed += 1

@@ -22,7 +22,7 @@ import errno
 import functools
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from kube_userspace_proxy import logs
@@ -255,9 +255,9 @@ class TcpListener:
         return self._shared.splice if self._shared is not None else self._splice
 
     @property
-    def conns(self) -> set[Connection]:
+    def conns(self) -> Collection[Connection]:
         """The open connections."""
-        return self._shared.conns if self._shared is not None else set()
+        return self._shared.conns if self._shared is not None else ()
 
     async def start(self) -> None:
         """Begin serving: listen now if the picker has endpoints, else refuse.
