@@ -4,6 +4,8 @@ a slice at a time, and gives the same document as a fresh encode."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 from collections.abc import Generator
 from dataclasses import replace
@@ -162,3 +164,51 @@ def test_the_same_proxy_port_mapping_is_not_looked_through_again() -> None:
     assert statefile.encode(snapshot, ports, encoder) == statefile.encode(snapshot, ports)
     moved = {**ports, ("default/s9:http", "TCP", "cluster"): 50009}
     assert statefile.encode(snapshot, moved, encoder) == statefile.encode(snapshot, moved)
+
+
+def test_an_entry_leaves_out_the_fields_at_their_defaults_and_reads_back_whole() -> None:
+    """Only the fields off their defaults are written (half the file, and half what the
+    encoder keeps); the reader gives a missing one its default, as it did for the documents
+    of earlier releases, which wrote every field: both read back to the same state."""
+    plain = ServicePortName("default", "plain", "http")
+    full = ServicePortName("default", "full", "https")
+    infos = {
+        plain: ServicePortInfo(plain, 80, ("10.96.0.1",)),
+        full: ServicePortInfo(
+            full,
+            443,
+            ("10.96.0.2", "fd00:96::2"),
+            node_port=30443,
+            external_ips=("203.0.113.4",),
+            load_balancer_ips=("198.51.100.4",),
+            client_ip_affinity=True,
+            affinity_timeout_seconds=600,
+            internal_traffic_local=True,
+            external_traffic_local=True,
+            health_check_node_port=32000,
+            proxy_protocol=2,
+        ),
+    }
+    snapshot = Snapshot(
+        services=MappingProxyType(infos),
+        endpoints=MappingProxyType({n: (Endpoint("10.244.1.5", 8080),) for n in infos}),
+        node_name="node-1",
+    )
+    data = statefile.encode(snapshot, {})
+    document = json.loads(data)
+    written = {tuple(e["name"][:2]): e["info"] for e in document["servicePorts"]}
+    assert written[("default", "plain")] == {"port": 80, "cluster_ips": ["10.96.0.1"]}
+    assert len(written[("default", "full")]) == len(dataclasses.fields(ServicePortInfo)) - 1
+    decoded, _ = statefile.decode(data, node_name="node-1")
+    assert dict(decoded.services) == infos
+    # As earlier releases wrote it: every field, those at their defaults too.
+    for entry in document["servicePorts"]:
+        name = ServicePortName(*entry["name"][:3])
+        entry["info"] = {
+            f.name: list(v) if isinstance(v := getattr(infos[name], f.name), tuple) else v
+            for f in dataclasses.fields(ServicePortInfo)
+            if f.name != "name"
+        }
+    older, _ = statefile.decode(json.dumps(document).encode(), node_name="node-1")
+    assert dict(older.services) == infos
+    assert dict(older.endpoints) == dict(decoded.endpoints) == dict(snapshot.endpoints)

