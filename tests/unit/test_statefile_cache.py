@@ -212,3 +212,23 @@ def test_an_entry_leaves_out_the_fields_at_their_defaults_and_reads_back_whole()
     older, _ = statefile.decode(json.dumps(document).encode(), node_name="node-1")
     assert dict(older.services) == infos
     assert dict(older.endpoints) == dict(decoded.endpoints) == dict(snapshot.endpoints)
+
+
+def test_an_encode_left_before_its_end_leaves_no_line_taken_for_current() -> None:
+    """The proxy-port lines are kept per key, valid for the mapping they were encoded from:
+    an encode abandoned among them (a save cancelled at shutdown) must not leave a line of
+    its mapping that a later encode takes for another's."""
+    snapshot = _snapshot(3000)
+    first = _ports(snapshot)
+    moved = {key: port + 5000 for key, port in first.items()}
+    encoder, twin = statefile.Encoder(), statefile.Encoder()
+    statefile.encode(snapshot, first, encoder)
+    statefile.encode(snapshot, first, twin)
+    total = _yields(twin.steps(snapshot, moved))  # what the same encode gives the loop
+    steps = encoder.steps(snapshot, moved)
+    for _ in range(total - 3):  # into the proxy-port lines, most of them encoded anew
+        next(steps)
+    steps.close()
+    back = dict(first)  # equal to the first mapping, not the same object
+    assert statefile.encode(snapshot, back, encoder) == statefile.encode(snapshot, back)
+    assert statefile.encode(snapshot, moved, encoder) == statefile.encode(snapshot, moved)
