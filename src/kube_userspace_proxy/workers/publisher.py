@@ -265,7 +265,12 @@ class Publisher:
             return set()
         self._note_unserved(worker.index, frozenset(reply.unserved))
         changed: set[SocketKey] = set()
-        for joined, key in reply.changes:
+        ports = self.ports
+        for joined, sent in reply.changes:
+            # The port's own key, not the message's copy (three objects), goes into the
+            # groups for good: ~1.5 MiB at 10,000 ports.
+            port = ports.get(sent)
+            key = sent if port is None else port.key
             changed.add(key)
             if joined:
                 self._groups.join(key, worker.index)
