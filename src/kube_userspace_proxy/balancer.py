@@ -133,6 +133,9 @@ Transparency = tuple[tuple[str, ...] | None, tuple[Address, ...]]
 """A pool's transparent-dialing inputs as plain tuples (the worker table is marshalled):
 (the source policy's local-client CIDRs, None while the mode is off; the local endpoints)."""
 
+_OPAQUE: Transparency = (None, ())
+"""The `Transparency` of most pools, one tuple for all (the publisher keeps each pool's)."""
+
 
 @functools.lru_cache(maxsize=8)
 def source_policy(client_cidrs: tuple[str, ...] | None) -> SourcePolicy | None:
@@ -363,7 +366,10 @@ class EndpointPool:
     def transparency(self) -> Transparency:
         """The source policy's CIDRs (None: off) and the local endpoints, for the workers."""
         source = self.source
-        return (None if source is None else source.client_cidrs, self.local_addresses)
+        local = self.local_addresses
+        if source is None and not local:
+            return _OPAQUE
+        return (None if source is None else source.client_cidrs, local)
 
     @property
     def affinity_timeout(self) -> float | None:

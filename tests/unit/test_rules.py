@@ -290,6 +290,33 @@ def test_explain_pairs_each_save_line_with_an_explanation() -> None:
     assert whys[accept].startswith("filter table: ")
 
 
+@pytest.mark.parametrize(
+    "s",
+    [NODE, replace(NODE, bind_address="10.244.0.1"), replace(NODE, physdev=False)],
+    ids=["redirect", "bind-address", "no-physdev"],
+)
+def test_the_rules_a_sync_keeps_are_the_explained_ones_without_their_explanations(
+    s: Settings,
+) -> None:
+    # A sync renders no explanations (they were megabytes at 10,000 Services); what it
+    # commits must still be, rule for rule, what `explain` shows.
+    ports = [
+        port(node_port=30080, external_ips=("192.0.2.5",), lb_ips=("198.51.100.7",)),
+        port(name=ServicePortName("default", "dns", "dns", Protocol.UDP), cluster_port=40002),
+        port(name=ServicePortName("default", "split"), cluster_port=40003, external_port=40004,
+             node_port=30081, cluster_ips=("10.96.0.11",)),
+    ]  # fmt: skip
+    kept = render(ports, s)
+    explained = render(ports, s, explained=True)
+    assert [(r.family, r.table, r.line) for r in kept] == [
+        (r.family, r.table, r.line) for r in explained
+    ]
+    ours = [r for r in explained if not r.to_chain]
+    assert len(ours) > 12 and all(r.why for r in ours)
+    # The guards, merged into a few ranges, keep theirs.
+    assert not [r for r in kept if not r.to_chain and r.why and r.target != "REJECT"]
+
+
 # ---- planning ---------------------------------------------------------------------------
 
 

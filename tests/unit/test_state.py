@@ -122,6 +122,40 @@ def test_endpoint_ports_match_service_ports_by_name() -> None:
     assert [e.port for e in snap.endpoints_of(metrics)] == [19090]
 
 
+def test_a_slices_endpoints_are_the_snapshots_objects_for_its_first_port() -> None:
+    # One object per endpoint, not one for the slice and one for the snapshot (~2.5 MiB at
+    # 30,000 endpoints); a second port's endpoints are their own, with that port.
+    svc = service(
+        ports=[
+            {"name": "http", "port": 80, "protocol": "TCP"},
+            {"name": "metrics", "port": 9090, "protocol": "TCP"},
+        ]
+    )
+    piece = endpoint_slice(
+        ports=[
+            {"name": "http", "port": 8080, "protocol": "TCP"},
+            {"name": "metrics", "port": 19090, "protocol": "TCP"},
+        ],
+        endpoints=[endpoint("10.244.1.5", nodeName="node-a"), endpoint("10.244.1.6")],
+    )
+    state = ClusterState()
+    state.replace("Service", [svc])
+    state.replace("EndpointSlice", [piece])
+    snap = state.snapshot()
+    held = state._slices[("default", "web-abc")].endpoints
+    http = snap.endpoints_of(HTTP)
+    assert http == (
+        Endpoint("10.244.1.5", 8080, node_name="node-a"),
+        Endpoint("10.244.1.6", 8080),
+    )
+    assert all(a is b for a, b in zip(http, held, strict=True))
+    metrics = snap.endpoints_of(ServicePortName("default", "web", "metrics"))
+    assert [(e.ip, e.port, e.node_name) for e in metrics] == [
+        ("10.244.1.5", 19090, "node-a"),
+        ("10.244.1.6", 19090, None),
+    ]
+
+
 def test_unnamed_single_port_matches_unnamed_slice_port() -> None:
     svc = service(ports=[{"port": 80}])
     piece = endpoint_slice(ports=[{"port": 8080}])

@@ -4,6 +4,8 @@ a slice at a time, and gives the same document as a fresh encode."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 from collections.abc import Generator
 from dataclasses import replace
@@ -161,4 +163,72 @@ def test_the_same_proxy_port_mapping_is_not_looked_through_again() -> None:
     assert equal - same >= 3000 // statefile.STEP - 1
     assert statefile.encode(snapshot, ports, encoder) == statefile.encode(snapshot, ports)
     moved = {**ports, ("default/s9:http", "TCP", "cluster"): 50009}
+    assert statefile.encode(snapshot, moved, encoder) == statefile.encode(snapshot, moved)
+
+
+def test_an_entry_leaves_out_the_fields_at_their_defaults_and_reads_back_whole() -> None:
+    """Only the fields off their defaults are written (half the file, and half what the
+    encoder keeps); the reader gives a missing one its default, as it did for the documents
+    of earlier releases, which wrote every field: both read back to the same state."""
+    plain = ServicePortName("default", "plain", "http")
+    full = ServicePortName("default", "full", "https")
+    infos = {
+        plain: ServicePortInfo(plain, 80, ("10.96.0.1",)),
+        full: ServicePortInfo(
+            full,
+            443,
+            ("10.96.0.2", "fd00:96::2"),
+            node_port=30443,
+            external_ips=("203.0.113.4",),
+            load_balancer_ips=("198.51.100.4",),
+            client_ip_affinity=True,
+            affinity_timeout_seconds=600,
+            internal_traffic_local=True,
+            external_traffic_local=True,
+            health_check_node_port=32000,
+            proxy_protocol=2,
+        ),
+    }
+    snapshot = Snapshot(
+        services=MappingProxyType(infos),
+        endpoints=MappingProxyType({n: (Endpoint("10.244.1.5", 8080),) for n in infos}),
+        node_name="node-1",
+    )
+    data = statefile.encode(snapshot, {})
+    document = json.loads(data)
+    written = {tuple(e["name"][:2]): e["info"] for e in document["servicePorts"]}
+    assert written[("default", "plain")] == {"port": 80, "cluster_ips": ["10.96.0.1"]}
+    assert len(written[("default", "full")]) == len(dataclasses.fields(ServicePortInfo)) - 1
+    decoded, _ = statefile.decode(data, node_name="node-1")
+    assert dict(decoded.services) == infos
+    # As earlier releases wrote it: every field, those at their defaults too.
+    for entry in document["servicePorts"]:
+        name = ServicePortName(*entry["name"][:3])
+        entry["info"] = {
+            f.name: list(v) if isinstance(v := getattr(infos[name], f.name), tuple) else v
+            for f in dataclasses.fields(ServicePortInfo)
+            if f.name != "name"
+        }
+    older, _ = statefile.decode(json.dumps(document).encode(), node_name="node-1")
+    assert dict(older.services) == infos
+    assert dict(older.endpoints) == dict(decoded.endpoints) == dict(snapshot.endpoints)
+
+
+def test_an_encode_left_before_its_end_leaves_no_line_taken_for_current() -> None:
+    """The proxy-port lines are kept per key, valid for the mapping they were encoded from:
+    an encode abandoned among them (a save cancelled at shutdown) must not leave a line of
+    its mapping that a later encode takes for another's."""
+    snapshot = _snapshot(3000)
+    first = _ports(snapshot)
+    moved = {key: port + 5000 for key, port in first.items()}
+    encoder, twin = statefile.Encoder(), statefile.Encoder()
+    statefile.encode(snapshot, first, encoder)
+    statefile.encode(snapshot, first, twin)
+    total = _yields(twin.steps(snapshot, moved))  # what the same encode gives the loop
+    steps = encoder.steps(snapshot, moved)
+    for _ in range(total - 3):  # into the proxy-port lines, most of them encoded anew
+        next(steps)
+    steps.close()
+    back = dict(first)  # equal to the first mapping, not the same object
+    assert statefile.encode(snapshot, back, encoder) == statefile.encode(snapshot, back)
     assert statefile.encode(snapshot, moved, encoder) == statefile.encode(snapshot, moved)

@@ -461,15 +461,20 @@ def _merged(
                 seen = into.get((e.ip, number))
                 # The same endpoint in two slices (during a move): the ready copy wins.
                 if seen is None or (e.ready and not seen.ready):
-                    into[(e.ip, number)] = Endpoint(
-                        e.ip,
-                        number,
-                        e.ready,
-                        e.serving,
-                        e.terminating,
-                        e.node_name,
-                        e.node_hints,
-                        e.zone_hints,
+                    # The slice's own object for its first port (`Slice.endpoints`).
+                    into[(e.ip, number)] = (
+                        e
+                        if e.port == number
+                        else Endpoint(
+                            e.ip,
+                            number,
+                            e.ready,
+                            e.serving,
+                            e.terminating,
+                            e.node_name,
+                            e.node_hints,
+                            e.zone_hints,
+                        )
                     )
     return merged
 

@@ -16,7 +16,7 @@ stay the very same tuples, which the planner then compares by identity.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain as chain_of
 
 from kube_userspace_proxy.addresses import Family, ip_family
@@ -28,12 +28,11 @@ from kube_userspace_proxy.portals.rules import (
     FILTER,
     PROXY_PORTS,
     TABLES,
-    Guard,
     Rule,
     Settings,
     base_chain,
-    guard_rules,
     jumps,
+    port_guards,
     render_port,
     served_families,
     shard_jumps,
@@ -55,8 +54,10 @@ def _order(name: ServicePortName) -> _Order:
 class Desired:
     """The rules wanted for the service ports last given, grouped by table and chain."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, explained: bool = False) -> None:
         self.settings = settings
+        self.explained = explained
+        """Whether the rules say what they are for (`Rule.why`, for `explain`)."""
         self.skipped: list[tuple[ServicePortName, str]] = []
         """ClusterIPs of unserved families, from the ports rendered by the last update."""
         self._reset()
@@ -64,11 +65,12 @@ class Desired:
     def _reset(self) -> None:
         self._ports: dict[ServicePortName, ProxiedPort] = {}
         self._rules: dict[ServicePortName, tuple[Rule, ...]] = {}
-        self._guards: dict[ServicePortName, tuple[Guard, ...]] = {}
         self._guarded: dict[_ChainKey, dict[tuple[str, int], str]] = {}
-        """Per `KUBE-PROXY-PORTS` shard, its proxy ports ((protocol, port) -> service port)."""
-        self._members: dict[_ChainKey, dict[_Order, tuple[Rule, ...]]] = {}
-        """Per shard chain, the rules of each service port in it."""
+        """Per `KUBE-PROXY-PORTS` shard, its proxy ports ((protocol, port) -> service port).
+        A port's guards are not kept: `port_guards` gives them again to forget them."""
+        self._members: dict[_ChainKey, dict[_Order, Rule | tuple[Rule, ...]]] = {}
+        """Per shard chain, the rules of each service port in it: most have one there, kept
+        as it is (a tuple of one each was 1 MiB at 10,000 Services)."""
         self._shards: dict[tuple[Family, str], dict[str, tuple[Rule, ...]]] = {}
         self._entries: dict[_ChainKey, dict[int, tuple[tuple[str, ...], tuple[Rule, ...]]]] = {}
         """Per entry chain, the jumps to each of its shards in use (and the protocols of a port
@@ -112,19 +114,20 @@ class Desired:
         self._ports = new
         dirty: set[_ChainKey] = set()
         for name in removed:
-            self._forget(name, dirty)
+            self._forget(old[name], dirty)
         members = self._members
+        rendered: dict[ServicePortName, ProxiedPort] = {}  # a name given twice: the first
         for pp in changed:
             name = pp.info.name
             if name in self._rules:
-                self._forget(name, dirty)
-            rules, guards, skipped = render_port(pp, self.settings)
+                self._forget(rendered.get(name) or old[name], dirty)
+            rendered[name] = pp
+            rules, guards, skipped = render_port(pp, self.settings, explained=self.explained)
             if skipped:
                 self.skipped += skipped
             self._rules[name] = rules
             if guards:
-                self._guards[name] = guards
-                text = str(name)
+                text = rules[0].comment if rules else str(name)  # the same string
                 for family, shard, protocol, port in guards:
                     key = (family, FILTER, shard)
                     if (guarded := self._guarded.get(key)) is None:
@@ -137,7 +140,10 @@ class Desired:
                 if (chain := members.get(key)) is None:
                     chain = members[key] = {}
                 have = chain.get(order)
-                chain[order] = (rule,) if have is None else (*have, rule)
+                if have is None:
+                    chain[order] = rule
+                else:
+                    chain[order] = (have, rule) if isinstance(have, Rule) else (*have, rule)
                 dirty.add(key)
         entries: set[_ChainKey] = set()
         for key in dirty:
@@ -149,14 +155,18 @@ class Desired:
             )
         return len(changed) + len(removed)
 
-    def _forget(self, name: ServicePortName, dirty: set[_ChainKey]) -> None:
+    def _forget(self, pp: ProxiedPort, dirty: set[_ChainKey]) -> None:
+        """Take out the rules and guards of `pp`, as the last update had it."""
+        name = pp.info.name
         order = _order(name)
         for rule in self._rules.pop(name, ()):
             key = (rule.family, rule.table, rule.chain)
             if self._members.get(key, {}).pop(order, None) is not None:
                 dirty.add(key)
+        # Only the guards it holds: a port that failed to render added none (nor were they
+        # another's: a proxy port serves one service port).
         text = str(name)
-        for family, shard, protocol, port in self._guards.pop(name, ()):
+        for family, shard, protocol, port in port_guards(pp, self.settings):
             key = (family, FILTER, shard)
             ports = self._guarded.get(key, {})
             if ports.get((protocol, port)) == text:
@@ -174,11 +184,7 @@ class Desired:
             rules = guard_rules(family, chain, guarded) if guarded else ()
         else:
             members = self._members.get(key)
-            rules = (
-                tuple(chain_of.from_iterable(members[k] for k in sorted(members)))
-                if members
-                else ()
-            )
+            rules = _in_order(members) if members else ()
         entry = self._entries.setdefault((family, table, base), {})
         index = int(chain[-2:], 16)
         if rules:
@@ -233,17 +239,70 @@ class Desired:
         return out
 
 
+def guard_rules(
+    family: Family, chain: str, ports: Mapping[tuple[str, int], str]
+) -> tuple[Rule, ...]:
+    """The guard rules of a `KUBE-PROXY-PORTS` shard, from its proxy ports ((protocol, port)
+    -> the service port's name): each run of consecutive ports of one protocol is one rule with
+    a port range (`--dport LO:HI`), ordered by protocol and port.
+
+    The allocator hands out ports in sequence, so 10,000 service ports' guards become a few
+    dozen rules, where each rule costs the kernel about as much to commit (and a new
+    connection to walk) as a NodePort or portal rule. A range covers only ports that are
+    proxy ports now. A port alone keeps its own rule, named after its service port; a range
+    is named by its ports (`proxy ports LO-HI`): no single Service owns it.
+    """
+    out: list[Rule] = []
+    keys = sorted(ports)
+    start = 0
+    for i in range(1, len(keys) + 1):
+        if i < len(keys) and keys[i] == (keys[i - 1][0], keys[i - 1][1] + 1):
+            continue
+        (proto, lo), hi = keys[start], keys[i - 1][1]
+        if proto == "tcp":
+            reject = "tcp-reset"
+        else:
+            reject = "icmp6-port-unreachable" if family == 6 else "icmp-port-unreachable"
+        if lo == hi:
+            name = ports[keys[start]]
+            why = (f"refuse {proto.upper()} connections made straight to proxy port {lo}"
+                   f" ({name}): only the nat rules may send traffic there")  # fmt: skip
+        else:
+            name = f"proxy ports {lo}-{hi}"
+            why = (f"refuse {proto.upper()} connections made straight to proxy ports {lo} to"
+                   f" {hi} ({i - start} proxy ports in a row): only the nat rules may send"
+                   " traffic there")  # fmt: skip
+        out.append(Rule(family, FILTER, chain, "REJECT", name, proto, dport=lo,
+                        dport_hi=hi if hi != lo else 0, reject_with=reject, why=why))  # fmt: skip
+        start = i
+    return tuple(out)
+
+
+def _in_order(members: dict[_Order, Rule | tuple[Rule, ...]]) -> tuple[Rule, ...]:
+    """A shard's rules: its service ports' in name order."""
+    out: list[Rule] = []
+    for key in sorted(members):
+        rules = members[key]
+        if isinstance(rules, Rule):
+            out.append(rules)
+        else:
+            out += rules
+    return tuple(out)
+
+
 def render(
     ports: Iterable[ProxiedPort],
     settings: Settings,
     *,
     families: Iterable[Family] = (),
     skipped: list[tuple[ServicePortName, str]] | None = None,
+    explained: bool = False,
 ) -> list[Rule]:
     """Every rule for `ports` (see `Desired.rules`). A family is in use when a rule needs it
     or it is listed in `families` and served (else the first family served). `skipped`
-    receives (service port, ClusterIP) for each ClusterIP of an unserved family."""
-    desired = Desired(settings)
+    receives (service port, ClusterIP) for each ClusterIP of an unserved family. The rules
+    say what they are for (`Rule.why`) only when `explained`."""
+    desired = Desired(settings, explained=explained)
     desired.update(ports)
     if skipped is not None:
         skipped.extend(desired.skipped)
@@ -265,7 +324,8 @@ def explain(
     """
     settings = Settings(tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev, guard)
     out = []
-    for rule in render(ports, settings, families={ip_family(ip) or 4 for ip in node_ips}):
+    families = {ip_family(ip) or 4 for ip in node_ips}
+    for rule in render(ports, settings, families=families, explained=True):
         tags = ["IPv6"] if rule.family == 6 else []
         tags += ["filter table"] if rule.table == FILTER else []
         out.append((rule.line, (" ".join(tags) + ": " if tags else "") + rule.why))

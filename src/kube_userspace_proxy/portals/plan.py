@@ -363,7 +363,7 @@ def _can_wait(table: str, chain: str, shadowed: bool) -> bool:
 
 
 def _covered_guards(new: list[Rule], staying: list[Rule]) -> set[Rule]:
-    """The new guard rules (`rules.guard_rules` ranges) whose every port a guard staying in the
+    """The new guard rules (`desired.guard_rules` ranges) whose every port a guard staying in the
     chain already refuses: adding them can wait for the commit of the deferred deletes.
 
     A port leaving a run of proxy ports splits the run's rule in two; until the old rule is

@@ -25,7 +25,8 @@ Five chains, laid out as kube-proxy's userspace mode had them:
   proxy port answers only what the portal and NodePort rules sent there. Without it, anyone who
   can reach the node could connect to `node-ip:proxy-port` and reach a ClusterIP Service from
   outside the cluster. Only the first packet of a connection the nat rules did not touch walks
-  this chain. Consecutive proxy ports share one rule with a port range (`guard_rules`).
+  this chain. Consecutive proxy ports share one rule with a port range
+  (`desired.guard_rules`).
   `--guard-proxy-ports=false` leaves it empty.
 
 Every rule carries `-m comment --comment ns/name:port`. External IPs get three rules, as the Go
@@ -48,7 +49,7 @@ import functools
 import ipaddress
 import re
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar, dataclass_transform
 
@@ -188,7 +189,7 @@ class Rule:
     Built-in chain jumps (`chain` PREROUTING/OUTPUT/INPUT, `target` one of ours) set `prepend`
     when they must come before anything else in that chain. Two rules are equal when they are
     the same text in the same chain of the same table and family. Immutable (see `_frozen`):
-    its text and hash are computed once, at construction, which also refuses an unsafe
+    its text is computed once, at construction, which also refuses an unsafe
     comment (`_SAFE_COMMENT`), so no rule can carry one.
     """
 
@@ -212,9 +213,9 @@ class Rule:
     reject_with: str = ""
     prepend: bool = False
     why: str = ""
+    """What it is for (`explain`); "" in the rules a sync keeps (`render_port`)."""
     spec: str = field(init=False, repr=False)
     """The rule without `-A CHAIN`, in iptables-save's order of fields."""
-    _hash: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         comment = self.comment
@@ -247,17 +248,18 @@ class Rule:
         elif target == "DNAT":
             spec += f" --to-destination {join_host_port(self.to_addr, self.to_port)}"
         _set(self, "spec", spec)
-        _set(self, "_hash", hash((self.family, self.table, self.chain, spec)))
 
     def __hash__(self) -> int:
-        return self._hash
+        # The text's own hash, which the str caches: a hash of its own was an int object
+        # and a slot more per rule (tens of thousands are kept). Rules of one chain (what
+        # the planner puts in one set) differ in their text.
+        return hash(self.spec)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Rule):
             return NotImplemented
         return (
-            self._hash == other._hash
-            and self.spec == other.spec
+            self.spec == other.spec
             and self.chain == other.chain
             and self.table == other.table
             and self.family == other.family
@@ -391,19 +393,22 @@ def _host_ips(settings: Settings) -> dict[Family, str]:
 class _Renderer:
     """Accumulates the rules of one service port, skipping duplicates."""
 
-    def __init__(self, settings: Settings, pp: ProxiedPort) -> None:
+    def __init__(self, settings: Settings, pp: ProxiedPort, explained: bool) -> None:
         self.s = settings
+        self.explained = explained
+        """Whether the rules say what they are for (`Rule.why`): only `explain` reads it,
+        and a sync keeps every rule (a text each was ~2.5 MiB at 10,000 Services)."""
         self.served = served_families(settings.bind_address)
         self.rules: list[Rule] = []
         self.guards: list[Guard] = []
-        """The proxy ports to refuse (`guard_rules` makes the rules of a shard's ports)."""
+        """The proxy ports to refuse (`desired.guard_rules` makes the rules of a shard's ports)."""
         self.skipped: list[tuple[ServicePortName, str]] = []
         """ClusterIPs left without rules because the proxy ports do not serve their family."""
         self._seen: set[Rule] = set()
         info = pp.info
         self.name = str(info.name)
         """The comment of every rule of the port (`Rule` refuses an unsafe one)."""
-        self.proto = info.protocol.lower()
+        self.proto = _LOWER[info.protocol]
         self.dport = info.port
 
     def add(self, rule: Rule) -> None:
@@ -444,7 +449,8 @@ class _Renderer:
             chain = _SHARD_CHAINS[base][shard_for(base, dst, dport)]
             self.add(
                 Rule(family, NAT, chain, "DNAT", self.name, self.proto, dst, dport, 0, False,
-                     dst_local, to_port=to_port, to_addr=to_addr, why=f"{why} via {to_addr}")
+                     dst_local, to_port=to_port, to_addr=to_addr,
+                     why=why and f"{why} via {to_addr}")
             )  # fmt: skip
 
     def destination(self, ip: str) -> tuple[Family, str] | None:
@@ -452,15 +458,17 @@ class _Renderer:
         dst = _destination(ip)
         return dst if dst is not None and dst[0] in self.served else None
 
+    def at(self, kind: str, ip: str) -> str:
+        """What a `why` says of a portal address; "" unless `explained` (so is the `why`)."""
+        if not self.explained:
+            return ""
+        return f"{self.proto.upper()} to {kind} {join_host_port(ip, self.dport)} ({self.name})"
+
     def port(self, pp: ProxiedPort) -> None:
-        info, name, cport, ext = pp.info, self.name, pp.cluster_port, pp.external_port
+        info, cport, ext = pp.info, pp.cluster_port, pp.external_port
         if cport == 0:
             return
-        proto = info.protocol.upper()
-        if self.s.guard:
-            for family in sorted(self.served):
-                for port in sorted({cport, ext} - {0}):
-                    self.guard(family, port)
+        self.guards = port_guards(pp, self.s)
         families: set[Family] = set()
         for ip in info.cluster_ips:
             if (d := self.destination(ip)) is None:
@@ -468,118 +476,95 @@ class _Renderer:
                     self.skipped.append((info.name, ip))
                 continue
             families.add(d[0])
-            at = f"{proto} to ClusterIP {join_host_port(ip, info.port)} ({name})"
-            self.container(
-                CONTAINER_PORTALS, d, info.port, cport, f"from pods: {at} -> proxy port {cport}"
-            )
+            at = self.at("ClusterIP", ip)
+            self.container(CONTAINER_PORTALS, d, info.port, cport,
+                           at and f"from pods: {at} -> proxy port {cport}")  # fmt: skip
             self.host(HOST_PORTALS, d, info.port, cport,
-                      f"from this node: {at} -> proxy port {cport}")  # fmt: skip
+                      at and f"from this node: {at} -> proxy port {cport}")  # fmt: skip
         if ext == 0:
             return
         for ip in info.load_balancer_ips:
             if (d := self.destination(ip)) is None or d[0] not in families:
                 continue
-            at = f"{proto} to LoadBalancer IP {join_host_port(ip, info.port)} ({name})"
-            why = f"from pods and the network: {at} -> proxy port {ext}"
+            at = self.at("LoadBalancer IP", ip)
+            why = at and f"from pods and the network: {at} -> proxy port {ext}"
             self.container(CONTAINER_PORTALS, d, info.port, ext, why)
             self.host(HOST_PORTALS, d, info.port, ext,
-                      f"from this node: {at} -> proxy port {ext}")  # fmt: skip
+                      at and f"from this node: {at} -> proxy port {ext}")  # fmt: skip
         for ip in info.external_ips:
             if (d := self.destination(ip)) is None or d[0] not in families:
                 continue
-            at = f"{proto} to external IP {join_host_port(ip, info.port)} ({name})"
+            at = self.at("external IP", ip)
             if self.s.physdev:
                 self.container(CONTAINER_PORTALS, d, info.port, ext,
-                               f"from the network (not via a bridge port): {at} -> proxy port"
-                               f" {ext}", physdev_not_in=True)  # fmt: skip
+                               at and f"from the network (not via a bridge port): {at} -> proxy"
+                               f" port {ext}", physdev_not_in=True)  # fmt: skip
             else:
                 self.container(CONTAINER_PORTALS, d, info.port, ext,
-                               f"from pods and the network: {at} -> proxy port {ext}")  # fmt: skip
+                               at and f"from pods and the network: {at} -> proxy port"
+                               f" {ext}")  # fmt: skip
             self.container(CONTAINER_PORTALS, d, info.port, ext,
-                           f"from pods, when the IP is this node's: {at} -> proxy port {ext}",
-                           dst_local=True)  # fmt: skip
+                           at and f"from pods, when the IP is this node's: {at} -> proxy port"
+                           f" {ext}", dst_local=True)  # fmt: skip
             self.host(HOST_PORTALS, d, info.port, ext,
-                      f"from this node, when the IP is its own: {at} -> proxy port {ext}",
+                      at and f"from this node, when the IP is its own: {at} -> proxy port {ext}",
                       dst_local=True)  # fmt: skip
         if info.node_port:
             for family in sorted(families):
                 self.node_port(family, pp)
 
-    def guard(self, family: Family, port: int) -> None:
-        guard = (family, _SHARD_CHAINS[PROXY_PORTS][port // PORTS_PER_SHARD], self.proto, port)
-        if guard not in self.guards:
-            self.guards.append(guard)
-
     def node_port(self, family: Family, pp: ProxiedPort) -> None:
         np, ext, name, proto = pp.info.node_port, pp.external_port, self.name, self.proto
         dsts = self.s.nodeport_dsts(family)
+        explained = self.explained
         for dst in dsts:
             where = f"local addresses in {dst}" if dst else "any local address"
-            at = f"{proto.upper()} to NodePort {np} on {where} ({name})"
-            why = f"from pods and the network: {at} -> proxy port {ext}"
+            at = f"{proto.upper()} to NodePort {np} on {where} ({name})" if explained else ""
+            why = at and f"from pods and the network: {at} -> proxy port {ext}"
             self.container(CONTAINER_NODEPORTS, (family, dst), np, ext, why)
             self.host(HOST_NODEPORTS, (family, dst), np, ext,
-                      f"from this node: {at} -> proxy port {ext}")  # fmt: skip
+                      at and f"from this node: {at} -> proxy port {ext}")  # fmt: skip
         if dsts:
             chain = _SHARD_CHAINS[NON_LOCAL_NODEPORTS][ext // PORTS_PER_SHARD]
             self.add(
                 Rule(family, FILTER, chain, "ACCEPT", name, proto, dport=ext, state_new=True,
                      ctstate="DNAT",
-                     why=f"accept new {proto.upper()} connections to proxy port {ext}"
-                     f" (NodePort {np} of {name}) even under a default-deny INPUT policy")
+                     why=f"accept new {proto.upper()} connections to proxy port {ext} (NodePort"
+                     f" {np} of {name}) even under a default-deny INPUT policy" if explained
+                     else "")
             )  # fmt: skip
 
 
 Guard = tuple[Family, str, str, int]
 """A proxy port to refuse: (family, its `KUBE-PROXY-PORTS` shard, protocol, port)."""
 
+_LOWER = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
+"""A protocol's name in the rules: one string each, not one per rule."""
 
-def guard_rules(
-    family: Family, chain: str, ports: Mapping[tuple[str, int], str]
-) -> tuple[Rule, ...]:
-    """The guard rules of a `KUBE-PROXY-PORTS` shard, from its proxy ports ((protocol, port)
-    -> the service port's name): each run of consecutive ports of one protocol is one rule with
-    a port range (`--dport LO:HI`), ordered by protocol and port.
 
-    The allocator hands out ports in sequence, so 10,000 service ports' guards become a few
-    dozen rules, where each rule costs the kernel about as much to commit (and a new
-    connection to walk) as a NodePort or portal rule. A range covers only ports that are
-    proxy ports now. A port alone keeps its own rule, named after its service port; a range
-    is named by its ports (`proxy ports LO-HI`): no single Service owns it.
-    """
-    out: list[Rule] = []
-    keys = sorted(ports)
-    start = 0
-    for i in range(1, len(keys) + 1):
-        if i < len(keys) and keys[i] == (keys[i - 1][0], keys[i - 1][1] + 1):
-            continue
-        (proto, lo), hi = keys[start], keys[i - 1][1]
-        if proto == "tcp":
-            reject = "tcp-reset"
-        else:
-            reject = "icmp6-port-unreachable" if family == 6 else "icmp-port-unreachable"
-        if lo == hi:
-            name = ports[keys[start]]
-            why = (f"refuse {proto.upper()} connections made straight to proxy port {lo}"
-                   f" ({name}): only the nat rules may send traffic there")  # fmt: skip
-        else:
-            name = f"proxy ports {lo}-{hi}"
-            why = (f"refuse {proto.upper()} connections made straight to proxy ports {lo} to"
-                   f" {hi} ({i - start} proxy ports in a row): only the nat rules may send"
-                   " traffic there")  # fmt: skip
-        out.append(Rule(family, FILTER, chain, "REJECT", name, proto, dport=lo,
-                        dport_hi=hi if hi != lo else 0, reject_with=reject, why=why))  # fmt: skip
-        start = i
-    return tuple(out)
+def port_guards(pp: ProxiedPort, settings: Settings) -> list[Guard]:
+    """The proxy ports of `pp` to refuse, in each family they are served in (none without
+    `Settings.guard`, or a cluster port): cheap, so computed again to forget them."""
+    cport, ext = pp.cluster_port, pp.external_port
+    if not settings.guard or cport == 0:
+        return []
+    proto = _LOWER[pp.info.protocol]
+    chains = _SHARD_CHAINS[PROXY_PORTS]
+    return [
+        (family, chains[port // PORTS_PER_SHARD], proto, port)
+        for family in sorted(served_families(settings.bind_address))
+        for port in sorted({cport, ext} - {0})
+    ]
 
 
 def render_port(
-    pp: ProxiedPort, settings: Settings
+    pp: ProxiedPort, settings: Settings, *, explained: bool = False
 ) -> tuple[tuple[Rule, ...], tuple[Guard, ...], list[tuple[ServicePortName, str]]]:
     """One service port's rules, each in its shard (`shard_for`), without duplicates; its
-    proxy ports to guard (`guard_rules` makes their rules, shard by shard); and (service port,
-    ClusterIP) for each ClusterIP of a family the proxy ports do not serve."""
-    r = _Renderer(settings, pp)
+    proxy ports to guard (`desired.guard_rules` makes their rules, shard by shard); and
+    (service port, ClusterIP) for each ClusterIP of a family the proxy ports do not serve.
+    The rules say what they are for (`Rule.why`) only when `explained`."""
+    r = _Renderer(settings, pp, explained)
     try:
         r.port(pp)
     except ValueError as exc:  # one bad port never fails the whole table's commit

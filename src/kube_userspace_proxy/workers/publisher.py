@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.balancer import PoolView
+from kube_userspace_proxy.balancer import PoolView, Transparency
 from kube_userspace_proxy.dataplane import ConnStats
-from kube_userspace_proxy.model import SocketKey
+from kube_userspace_proxy.model import Address, SocketKey
 from kube_userspace_proxy.workers import protocol
 from kube_userspace_proxy.workers.groups import CONTROL, Groups
 from kube_userspace_proxy.workers.link import Replies, WorkerLink
@@ -80,9 +80,12 @@ class Publisher:
         self._removed: set[SocketKey] = set()
         # Per published port: whether the workers' sockets are in its reuseport group.
         self._joined: dict[SocketKey, bool] = {}
-        # What the last deltas carried, per port and per pool.
-        self._sent_ports: dict[SocketKey, ListenerEntry] = {}
-        self._sent_pools: dict[int, PoolEntry] = {}
+        # What the last deltas carried: per port, its pool's id (the rest of a port's entry,
+        # its name and IPV6_V6ONLY, is its object's for good: `add` sends a new object anew);
+        # per pool, its entry less its name (a pool's for good). Each entry whole, with a
+        # name tuple and a protocol string per pool, was ~4 MiB at 10,000 ports.
+        self._sent_ports: dict[SocketKey, int] = {}
+        self._sent_pools: dict[int, _PoolState] = {}
         # Ports each worker (by index) reported it could not open, and the retry of them.
         self._unserved: dict[int, frozenset[SocketKey]] = {}
         self._retries = 0
@@ -105,6 +108,7 @@ class Publisher:
         self.ports[port.key] = port
         self._dirty[port.key] = port
         self._removed.discard(port.key)
+        self._sent_ports.pop(port.key, None)  # a new port object: sent whole
         self._groups.add_port(port.key)
 
     def touch(self, port: Port) -> None:
@@ -163,8 +167,7 @@ class Publisher:
                 self._joined.pop(key, None)
                 sent = self._sent_ports.pop(key, None)
                 if sent is not None:
-                    _, _, pool_id, _ = sent
-                    self._sent_pools.pop(pool_id, None)
+                    self._sent_pools.pop(sent, None)
             self._published = True
             self.deltas += 1
             self.ports_sent += len(listeners)
@@ -262,7 +265,12 @@ class Publisher:
             return set()
         self._note_unserved(worker.index, frozenset(reply.unserved))
         changed: set[SocketKey] = set()
-        for joined, key in reply.changes:
+        ports = self.ports
+        for joined, sent in reply.changes:
+            # The port's own key, not the message's copy (three objects), goes into the
+            # groups for good: ~1.5 MiB at 10,000 ports.
+            port = ports.get(sent)
+            key = sent if port is None else port.key
             changed.add(key)
             if joined:
                 self._groups.join(key, worker.index)
@@ -297,7 +305,8 @@ class Publisher:
             if pool_id not in pools:
                 name = picker.name
                 pools[pool_id] = (
-                    (name.namespace, name.name, name.port, str(name.protocol)),
+                    # The enum's own string, not a copy per pool (`str()` makes one).
+                    (name.namespace, name.name, name.port, name.protocol.value),
                     picker.addresses,
                     picker.affinity_timeout,
                     picker.proxy_protocol,
@@ -310,15 +319,17 @@ class Publisher:
         self, listeners: list[ListenerEntry], pools: dict[int, PoolEntry]
     ) -> tuple[list[ListenerEntry], dict[int, PoolEntry]]:
         """Leave out what the workers have already (a periodic resync refreshes every port)."""
-        fresh = {pid for pid, entry in pools.items() if self._sent_pools.get(pid) != entry}
+        sent_pools = self._sent_pools
+        fresh = {pid for pid, pool in pools.items() if sent_pools.get(pid) != pool[1:]}
         unsent = []
         for entry in listeners:
             key, _, pool_id, _ = entry
-            if pool_id in fresh or self._sent_ports.get(key) != entry:
+            if pool_id in fresh or self._sent_ports.get(key) != pool_id:
                 unsent.append(entry)
-                self._sent_ports[key] = entry  # keys are unique: the test above is unchanged
+                self._sent_ports[key] = pool_id  # keys are unique: the test above is unchanged
         pools = {pool_id: pools[pool_id] for _, _, pool_id, _ in unsent}
-        self._sent_pools.update(pools)
+        for pool_id, pool in pools.items():
+            sent_pools[pool_id] = pool[1:]
         return unsent, pools
 
     # ---- ports a worker could not open ---------------------------------------------------------
@@ -377,6 +388,10 @@ class Publisher:
         if self._retry_handle is not None:
             self._retry_handle.cancel()
         return self._retry_task
+
+
+_PoolState = tuple[tuple[Address, ...], float | None, int, Transparency]
+"""A pool's entry less its name (`PoolEntry[1:]`): what may change of a pool."""
 
 
 def _joins(key: SocketKey, pool: PoolEntry) -> bool:
