@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kube_userspace_proxy.balancer import EndpointPool, usable_endpoints
+from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.model import Endpoint, ServicePortName
+from kube_userspace_proxy.topology import usable_endpoints
 
 NAME = ServicePortName("default", "web", "http")
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from kube_userspace_proxy.balancer import EndpointPool, on_node
+from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.model import Endpoint, ServicePortName, SourcePolicy
+from kube_userspace_proxy.topology import on_node
 from kube_userspace_proxy.workers.pool import EndpointSet
 
 NAME = ServicePortName("default", "web", "http")

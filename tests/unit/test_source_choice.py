@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kube_userspace_proxy.balancer import EndpointPool, on_node
+from kube_userspace_proxy.balancer import EndpointPool
 from kube_userspace_proxy.dataplane.transparent import (
     CLIENT_POD,
     LOCAL_ENDPOINT,
@@ -13,6 +13,7 @@ from kube_userspace_proxy.dataplane.transparent import (
     chooser_for,
 )
 from kube_userspace_proxy.model import Endpoint, ServicePortName, SourcePolicy
+from kube_userspace_proxy.topology import on_node
 
 POLICY = SourcePolicy(client_cidrs=("10.244.1.0/24", "fd00:10:244:1::/64"))
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kube_userspace_proxy.app.lifecycle import build, make_source
-from kube_userspace_proxy.balancer import topology_mode, unused_endpoints, usable_endpoints
 from kube_userspace_proxy.cluster.objects import NO_CLUSTER_IP
 from kube_userspace_proxy.cluster.sources.manifests import ManifestSource
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.config.settings import ProxyConfig
 from kube_userspace_proxy.model import Endpoint, ProxiedPort, Snapshot
 from kube_userspace_proxy.portals import explain
+from kube_userspace_proxy.topology import topology_mode, unused_endpoints, usable_endpoints
 
 SHOWN = 8
 """Endpoints named per list; the rest are counted."""

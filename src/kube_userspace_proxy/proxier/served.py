@@ -8,7 +8,6 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from kube_userspace_proxy.balancer import on_node, topology_mode, usable_endpoints
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.model import (
     Desired,
@@ -20,6 +19,7 @@ from kube_userspace_proxy.model import (
 )
 from kube_userspace_proxy.proxier.contracts import Listener, PoolT
 from kube_userspace_proxy.restart.sockets import NodePortSocket, ProxyPortSocket, SocketDescription
+from kube_userspace_proxy.topology import on_node, topology_mode, usable_endpoints
 
 V = TypeVar("V")
 _NONE: Any = object()  # an empty path's slot
