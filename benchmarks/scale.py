@@ -30,7 +30,8 @@ measured just before the storm.
         --baseline OTHER_CHECKOUT/src --repeat 3
 
 Writes benchmarks/results/scale.md, scale.json and scale.png (matplotlib, from the optional
-`bench` extra, installed when missing); `--replot` redraws scale.png from scale.json.
+`bench` extra, installed when missing); with `--workers N` other than auto, scale-workers-N.*
+instead. `--replot` redraws scale.png from scale.json.
 """
 
 from __future__ import annotations
@@ -1046,10 +1047,12 @@ def main() -> int:
         + table(results)
         + "\n"
     )
-    (RESULTS / "scale.md").write_text(text)
-    (RESULTS / "scale.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    # The default's figures are scale.*; another --workers writes beside them, not over them.
+    stem = "scale" if args.workers == "auto" else f"scale-workers-{args.workers}"
+    (RESULTS / f"{stem}.md").write_text(text)
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     if not missing:
-        chart(results, RESULTS / "scale.png")
+        chart(results, RESULTS / f"{stem}.png")
     print(text)
     return 0
 
