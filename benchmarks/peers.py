@@ -3,7 +3,7 @@ the Go userspace proxier and the minimal uvloop Protocol proxy.
 
 The testbed of `kernel_vs_userspace.py` (`testbed.py`: a client pod, a node and three nginx
 pods in network namespaces named with this pid, deleted afterwards) carries the same Service,
-with the same three pods, through eight peers, each with its own ClusterIP and its own
+with the same three pods, through nine peers, each with its own ClusterIP and its own
 `--clients` client addresses (8: a node proxies for many pods, and this proxy's workers are
 chosen by client address; the client namespace SNATs its connections to them in turn):
 
