@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kube_userspace_proxy.dataplane import ConnStats, TcpListener, connection, proxyproto
+from kube_userspace_proxy.dataplane import ConnStats, TcpListener, proxyproto, sockets
 from kube_userspace_proxy.dataplane.splice import PIPE_SIZE
 
 MiB = 1 << 20
@@ -781,7 +781,7 @@ async def test_finished_connections_are_freed_before_their_keepalive_batch_is_du
     """Dialed sockets get keepalive in a batch, KEEPALIVE_DELAY after their dial; a connection
     that ends before that is freed as it ends, not held by the batch until it is due (the
     memory of thousands of such connections a second stayed in pieces)."""
-    monkeypatch.setattr(connection, "KEEPALIVE_DELAY", 60.0)  # due after the test
+    monkeypatch.setattr(sockets, "KEEPALIVE_DELAY", 60.0)  # due after the test
     backend = await tcp_backends("name", "a")
     listener = await tcp_listener(round_robin(backend.address))
 

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import os
 import socket
-import struct
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,12 @@ from typing import Any
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.dataplane import proxyproto
 from kube_userspace_proxy.dataplane import splice as splicing
+from kube_userspace_proxy.dataplane.sockets import (
+    SocketOptions,
+    abort_with_reset,
+    keepalive,
+    shutdown_write,
+)
 from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, Tally, notices
 from kube_userspace_proxy.dataplane.transparent import chooser_for, dial_from
 
@@ -46,12 +51,6 @@ class _NoTally:
 
 
 _NO_TALLY: Tally = _NoTally()
-# SO_LINGER on, 0 s: close() sends a RST (struct linger).
-_LINGER_RESET = struct.pack("ii", 1, 0)
-
-
-SocketOptions = tuple[tuple[int, int, int], ...]
-"""(level, option, value) triples for setsockopt."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,46 +65,6 @@ class Settings:
     """setsockopt triples for keepalive on dialed sockets; () = keepalive off."""
     log_connections: bool = False
     """Per-connection DEBUG lines: decided once per listener, not per connection."""
-
-
-# Dialed sockets get their keepalive options this long after the dial, in one batch per
-# event loop: a connection that ends sooner (most short requests) costs no setsockopt at all.
-# The bound that matters (keepalive, 15 s by default) is much longer than this delay.
-KEEPALIVE_DELAY = 1.0
-
-
-class KeepAlive:
-    """Connections dialed in the last KEEPALIVE_DELAY seconds, their dialed sockets waiting
-    for keepalive: one batch and one timer for the process (per listener, a dict and a timer
-    for each port just used, 10,000 in a worker, were made and freed among what the ports keep
-    for good: its memory was left in pieces). A connection leaves as it closes: freed then."""
-
-    __slots__ = ("conns", "loop", "timer")
-
-    def __init__(self) -> None:
-        self.conns: dict[Connection, None] = {}  # an ordered set
-        self.timer: asyncio.TimerHandle | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None  # the timer's
-
-    def add(self, conn: Connection) -> None:
-        """Set keepalive on `conn`'s dialed socket within KEEPALIVE_DELAY, if it lives."""
-        loop = conn.shared.loop
-        if self.timer is None or loop is not self.loop:
-            # A batch of another loop (one that closed: tests run many) is not swept: dropped.
-            self.conns = {}
-            self.loop = loop
-            self.timer = loop.call_later(KEEPALIVE_DELAY, self._sweep)
-        self.conns[conn] = None
-
-    def _sweep(self) -> None:
-        conns, self.conns, self.timer = self.conns, {}, None
-        for conn in conns:
-            b = conn.backend
-            if b is not None and not b.transport.is_closing():
-                set_options(b.transport, conn.settings.keepalive)
-
-
-keepalive = KeepAlive()  # the process's batch
 
 
 class Shared:
@@ -340,7 +299,7 @@ class Connection(asyncio.Protocol):
                 if exc is None and self.in_done and self.out_done:
                     b.transport.close()
                 else:
-                    _reset(b.transport)
+                    abort_with_reset(b.transport)
         if self.pump_in is not None or self.fds is not None:
             self._stop_pumps()
         # The two sides refer to each other: let go of the backend side, so a finished
@@ -405,7 +364,7 @@ class Connection(asyncio.Protocol):
                 timer.cancel()
             self.dial = None
             if self.transport.is_closing():
-                _reset(b.transport)
+                abort_with_reset(b.transport)
             else:
                 self.backend = b
                 self.ep = ep
@@ -426,7 +385,7 @@ class Connection(asyncio.Protocol):
     def _give_up(self) -> None:
         self.dial = None
         self.pending = None
-        _reset(self.transport)
+        abort_with_reset(self.transport)
 
     def backend_connected(self) -> None:
         """Flush what the client sent while dialing, then forward directly."""
@@ -469,7 +428,7 @@ class Connection(asyncio.Protocol):
     def abort(self, *, reset: bool = True) -> None:
         """An error on either side: reset both (`reset=False`: close both, dropping buffers)."""
         self._stop_pumps()
-        end = _reset if reset else _drop
+        end = abort_with_reset if reset else _drop
         end(self.transport)
         b = self.backend
         if b is not None and not b.transport.is_closing():
@@ -543,7 +502,7 @@ class Connection(asyncio.Protocol):
         assert self.fds is not None
         self.in_done = True
         with contextlib.suppress(OSError):
-            _shutdown_write(self.fds[1])
+            shutdown_write(self.fds[1])
         if self.out_done:
             self.finish()
 
@@ -551,7 +510,7 @@ class Connection(asyncio.Protocol):
         assert self.fds is not None
         self.out_done = True
         with contextlib.suppress(OSError):
-            _shutdown_write(self.fds[0])
+            shutdown_write(self.fds[0])
         if self.in_done:
             self.finish()
 
@@ -600,17 +559,6 @@ class Connection(asyncio.Protocol):
             os.close(fds[1])
 
 
-def set_options(transport: asyncio.BaseTransport, options: SocketOptions) -> None:
-    """setsockopt each (level, option, value) on a transport's socket; failures are ignored."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        try:
-            for level, option, value in options:
-                sock.setsockopt(level, option, value)
-        except OSError as exc:  # the socket is already closing: nothing to keep alive
-            log.debug("cannot set socket options: %r", exc)
-
-
 def _proxy_header(conn: Connection) -> bytes:
     """The PROXY protocol header, which goes first, always: the backend learns who the client is.
 
@@ -623,15 +571,6 @@ def _proxy_header(conn: Connection) -> bytes:
     return proxyproto.for_connection(version, sock, (conn.peer[0], conn.peer[1]))
 
 
-def _reset(transport: Any) -> None:
-    """Abort `transport` so that its peer gets a RST (a plain abort() closes with a FIN)."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
-    transport.abort()
-
-
 def _drop(transport: Any) -> None:
     transport.abort()
 
@@ -639,12 +578,3 @@ def _drop(transport: Any) -> None:
 def _peer(transport: Any) -> str:
     peer = transport.get_extra_info("peername") if transport is not None else None
     return f"{peer[0]}:{peer[1]}" if peer else "?"
-
-
-def _shutdown_write(fd: int) -> None:
-    """shutdown(fd, SHUT_WR) on a raw descriptor without taking ownership of it."""
-    sock = socket.socket(fileno=fd)
-    try:
-        sock.shutdown(socket.SHUT_WR)
-    finally:
-        sock.detach()
