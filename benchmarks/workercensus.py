@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import gc
 import socket
-import struct
 import sys
 import tracemalloc
 from collections import Counter
@@ -26,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from workermem import Answer, touch  # noqa: E402
 
 from kube_userspace_proxy.app.lifecycle import raise_nofile_limit  # noqa: E402
 from kube_userspace_proxy.workers import protocol  # noqa: E402
@@ -34,7 +36,6 @@ from kube_userspace_proxy.workers.protocol import Settings, Table  # noqa: E402
 
 BACKEND = "127.0.0.2"
 BACKEND_PORTS = range(18000, 18016)
-LINGER_RESET = struct.pack("ii", 1, 0)
 
 
 def table(ports: list[int]) -> Table:
@@ -78,39 +79,6 @@ def census() -> list[tuple[str, int, int]]:
     return sorted(((k, counts[k], sizes[k]) for k in counts), key=lambda r: -r[2])
 
 
-class _Answer(asyncio.Protocol):
-    """A backend: one byte back, then close."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(b"k")  # type: ignore[attr-defined]
-        transport.close()
-
-
-async def touch(ports: list[int], concurrency: int = 64) -> int:
-    """One connection through every port (reset by the client: no TIME_WAIT on the ports);
-    how many got the backend's byte."""
-    gate = asyncio.Semaphore(concurrency)
-    answered = 0
-
-    async def one(port: int) -> None:
-        nonlocal answered
-        async with gate:
-            try:
-                async with asyncio.timeout(10):
-                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                    got = await reader.read(1)
-                    answered += got == b"k"
-                    sock = writer.get_extra_info("socket")
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
-                    writer.close()
-            except (OSError, TimeoutError):
-                pass
-
-    await asyncio.gather(*(one(p) for p in ports))
-    await asyncio.sleep(0.5)  # the proxy's sides of the connections close
-    return answered
-
-
 def report(title: str, before: list[tuple[str, int, int]], ports: int, top: int) -> None:
     """What the census after `title` holds more than `before`, by type."""
     after = census()
@@ -147,10 +115,11 @@ async def run(args: argparse.Namespace) -> None:
     else:
         loop = asyncio.get_running_loop()
         backends = [
-            await loop.create_server(_Answer, BACKEND, port, reuse_address=True)
+            await loop.create_server(Answer, BACKEND, port, reuse_address=True)
             for port in BACKEND_PORTS
         ]
         await touch(ports[: min(64, len(ports))])  # what the first connections of a process make
+        await asyncio.sleep(0.5)  # the proxy's sides of the connections close
         gc.collect()
         before = census()
         if args.tracemalloc:
@@ -158,6 +127,7 @@ async def run(args: argparse.Namespace) -> None:
             snapshot = tracemalloc.take_snapshot()
         rss = rss_kib()
         answered = await touch(ports)
+        await asyncio.sleep(0.5)  # the proxy's sides of the connections close
         gc.collect()
         grew = (rss_kib() - rss) / 1024
         print(f"touched: {answered} of {len(ports)} answered; RSS {grew:+.1f} MiB")

@@ -77,7 +77,7 @@ def rss_mib() -> dict[int, float]:
     return {pid: memory_kib(pid)[0] / 1024 for pid in descendants()}
 
 
-class _Answer(asyncio.Protocol):
+class Answer(asyncio.Protocol):
     """A backend: one byte back; the client ends the connection (with a RST: no TIME_WAIT
     is left on the proxy ports, whose reservations a later run must bind again)."""
 
@@ -86,8 +86,9 @@ class _Answer(asyncio.Protocol):
         transport.close()
 
 
-async def touch(ports: list[SharedPort], concurrency: int) -> int:
-    """One connection through every port; how many got the backend's byte."""
+async def touch(ports: list[int], concurrency: int = 64) -> int:
+    """One connection through every port (reset by the client: no TIME_WAIT on the ports);
+    how many got the backend's byte. `workercensus.py` uses it too."""
     gate = asyncio.Semaphore(concurrency)
     answered = 0
 
@@ -105,7 +106,7 @@ async def touch(ports: list[SharedPort], concurrency: int) -> int:
             except (OSError, TimeoutError):
                 pass
 
-    await asyncio.gather(*(one(p.port) for p in ports))
+    await asyncio.gather(*(one(p) for p in ports))
     return answered
 
 
@@ -122,7 +123,7 @@ async def settle(workers: WorkerPool) -> None:
 async def measure(args: argparse.Namespace) -> dict[str, object]:
     loop = asyncio.get_running_loop()
     backends = [
-        await loop.create_server(_Answer, BACKEND_HOST, port, reuse_address=True)
+        await loop.create_server(Answer, BACKEND_HOST, port, reuse_address=True)
         for port in BACKEND_PORTS
     ]
     workers = WorkerPool(args.workers)
@@ -147,7 +148,7 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
         await settle(workers)
         phases["table"] = rss_mib()
         started = time.perf_counter()
-        answered = await touch([p for p, _ in ports], args.concurrency)
+        answered = await touch([p.port for p, _ in ports], args.concurrency)
         touched = time.perf_counter() - started
         await settle(workers)
         phases["touched"] = rss_mib()
