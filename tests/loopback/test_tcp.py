@@ -27,6 +27,13 @@ Listeners = Callable[..., Awaitable[TcpListener]]
 Eventually = Callable[..., Awaitable[None]]
 
 
+def connections_alive() -> int:
+    """The proxied connections' protocol objects still alive (with gc off: freed by
+    reference counting, as the data plane means them to be)."""
+    names = {"Connection", "BackendSide"}
+    return sum(1 for o in gc.get_objects() if type(o).__name__ in names)
+
+
 async def ask_name(port: int, host: str = "127.0.0.1") -> str:
     """One request through the proxy to a `name` backend: returns the backend's name."""
     reader, writer = await asyncio.open_connection(host, port)
@@ -736,10 +743,6 @@ async def test_finished_connections_are_freed_without_the_cyclic_collector(
     loop = asyncio.get_running_loop()
     linger = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # SO_LINGER on, 0 s: close() sends RST
 
-    def alive() -> int:
-        names = {"Connection", "BackendSide"}
-        return sum(1 for o in gc.get_objects() if type(o).__name__ in names)
-
     gc.collect()
     gc.disable()
     try:
@@ -764,7 +767,7 @@ async def test_finished_connections_are_freed_without_the_cyclic_collector(
             what="connections gone",
         )
         await asyncio.sleep(0.05)  # the transports' last callbacks
-        assert alive() == 0
+        assert connections_alive() == 0
     finally:
         gc.enable()
         server.close()
@@ -785,10 +788,6 @@ async def test_finished_connections_are_freed_before_their_keepalive_batch_is_du
     backend = await tcp_backends("name", "a")
     listener = await tcp_listener(round_robin(backend.address))
 
-    def alive() -> int:
-        names = {"Connection", "BackendSide"}
-        return sum(1 for o in gc.get_objects() if type(o).__name__ in names)
-
     gc.collect()
     gc.disable()
     try:
@@ -796,7 +795,7 @@ async def test_finished_connections_are_freed_before_their_keepalive_batch_is_du
             assert await ask_name(listener.port) == "a"
         await eventually(lambda: listener.active_connections == 0, what="connections gone")
         await asyncio.sleep(0.05)  # the transports' last callbacks
-        assert alive() == 0
+        assert connections_alive() == 0
     finally:
         gc.enable()
 
