@@ -221,7 +221,10 @@ class OneBackend:
     def pick(self, client_ip: str, *, retry: bool = False) -> tuple[str, int] | None:
         return self.address
 
-    def dial_failed(self, address: tuple[str, int]) -> None:
+    def dial_failed(self, address: tuple[str, int], outcome: int = 1) -> None:
+        pass
+
+    def dial_succeeded(self, address: tuple[str, int]) -> None:
         pass
 
     def __bool__(self) -> bool:

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.model import Address, Endpoint, ServicePortName, SourcePolicy
+from kube_userspace_proxy.model import (
+    Address,
+    DialOutcome,
+    Endpoint,
+    ServicePortName,
+    SourcePolicy,
+)
 
 log = logs.get(__name__)
 
@@ -399,8 +405,11 @@ class EndpointPool:
         if self._picks == self._fresh_at:
             self._cursor = self._start(len(self._addresses))
 
-    def dial_failed(self, address: Address) -> None:
-        """Skip `address` for `penalty_seconds` (its dial just failed)."""
+    def dial_succeeded(self, address: Address) -> None:
+        """A dial to `address` connected (the data plane reports every one)."""
+
+    def dial_failed(self, address: Address, outcome: int = DialOutcome.REFUSED) -> None:
+        """Skip `address` for `penalty_seconds` (its dial just failed, as `outcome` says)."""
         if self._recent is _NO_RING:
             self._start_ring()
         index = self._index(address)

@@ -31,6 +31,20 @@ class Protocol(enum.StrEnum):
     UDP = "UDP"
 
 
+class DialOutcome(enum.IntEnum):
+    """How one dial to an endpoint ended, as a data plane reports it to the balancer (which
+    decides what follows: a penalty, an ejection, the next endpoint). Plain ints on the wire
+    from native code: the values are fixed."""
+
+    CONNECTED = 0
+    REFUSED = 1
+    """The endpoint answered the SYN with a RST (nothing listens on its port)."""
+    TIMED_OUT = 2
+    """No answer within the dial ladder's step: a blackholed or overloaded endpoint."""
+    UNREACHABLE = 3
+    """ICMP host/network unreachable, or any other error of the dial itself."""
+
+
 class Path(enum.StrEnum):
     """Which traffic a proxy port serves; traffic policies are per path.
 

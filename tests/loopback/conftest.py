@@ -70,6 +70,8 @@ class RoundRobin:
     def __init__(self, *endpoints: tuple[str, int]) -> None:
         self.endpoints = list(endpoints)
         self.failed: list[tuple[str, int]] = []
+        # Every dial's outcome as the data plane reported it: (address, DialOutcome value).
+        self.outcomes: list[tuple[tuple[str, int], int]] = []
         self.retries = 0
         self._next = 0
         self.proxy_protocol = 0
@@ -85,8 +87,12 @@ class RoundRobin:
         self._next += 1
         return endpoint
 
-    def dial_failed(self, address: tuple[str, int]) -> None:
+    def dial_failed(self, address: tuple[str, int], outcome: int = 1) -> None:
         self.failed.append(address)
+        self.outcomes.append((address, outcome))
+
+    def dial_succeeded(self, address: tuple[str, int]) -> None:
+        self.outcomes.append((address, 0))
 
     def __bool__(self) -> bool:
         return bool(self.endpoints)

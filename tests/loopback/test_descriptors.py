@@ -38,8 +38,10 @@ CHILD = textwrap.dedent(
             self.picked = EndpointTally()
         def pick(self, client_ip, *, retry=False):
             return self.address
-        def dial_failed(self, address):
+        def dial_failed(self, address, outcome=1):
             self.failed += 1
+        def dial_succeeded(self, address):
+            pass
         def __bool__(self):
             return True
 

@@ -32,6 +32,7 @@ from kube_userspace_proxy.dataplane.sockets import (
 )
 from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, Tally, notices
 from kube_userspace_proxy.dataplane.transparent import chooser_for, dial_from
+from kube_userspace_proxy.model import DialOutcome
 
 log = logs.get(__name__)
 
@@ -336,12 +337,16 @@ class Connection(asyncio.Protocol):
                 else:  # --preserve-source-ip
                     await dial_from(loop, b, address, chooser, client_ip, ep.local, stats)
             except (Exception, asyncio.CancelledError) as exc:
+                outcome = DialOutcome.UNREACHABLE
                 if isinstance(exc, asyncio.CancelledError):
                     if not self.timed_out:
                         raise
                     self.timed_out = False
                     assert self.dial is not None
                     self.dial.uncancel()
+                    outcome = DialOutcome.TIMED_OUT
+                elif isinstance(exc, ConnectionRefusedError):
+                    outcome = DialOutcome.REFUSED
                 elif isinstance(exc, OSError) and exc.errno in NO_DESCRIPTORS:
                     # This process is out of descriptors: the endpoint is not at fault.
                     stats.no_descriptors += 1
@@ -350,7 +355,7 @@ class Connection(asyncio.Protocol):
                 elif not isinstance(exc, OSError):  # e.g. a malformed address from the picker
                     log.warning("%s: cannot dial %r: %r", self.shared.name, address, exc)
                 stats.dial_failures += 1
-                picker.dial_failed(address)
+                picker.dial_failed(address, outcome)
                 log.debug("%s: dial %s failed: %r", self.shared.name, address, exc)
                 if self.transport.is_closing():
                     return
@@ -368,6 +373,7 @@ class Connection(asyncio.Protocol):
             else:
                 self.backend = b
                 self.ep = ep
+                picker.dial_succeeded(address)
                 ep.active += 1
                 ep.total += 1
                 if settings.keepalive:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Protocol
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.model import SourcePolicy
+from kube_userspace_proxy.model import DialOutcome, SourcePolicy
 
 log = logs.get(__name__)
 
@@ -36,8 +36,13 @@ class Picker(Protocol):
         """An endpoint for `client_ip` (`retry` after a failed dial); None if none is usable."""
         ...
 
-    def dial_failed(self, address: tuple[str, int]) -> None:
-        """Report that dialing `address` failed (the picker may penalize it)."""
+    def dial_failed(self, address: tuple[str, int], outcome: int = DialOutcome.REFUSED) -> None:
+        """Report that dialing `address` failed, and how (a `DialOutcome`); the picker may
+        penalize or eject it. Every failed dial of either data plane is reported."""
+        ...
+
+    def dial_succeeded(self, address: tuple[str, int]) -> None:
+        """Report that dialing `address` connected (a run of failures ends here)."""
         ...
 
     def __bool__(self) -> bool:

@@ -29,6 +29,7 @@ from kube_userspace_proxy.dataplane.transparent import (
     count_source,
     transparent_socket,
 )
+from kube_userspace_proxy.model import DialOutcome
 
 log = logs.get(__name__)
 
@@ -127,7 +128,7 @@ class _Session:
         # The endpoint rejected us (ICMP port unreachable): let the next datagram pick anew.
         log.debug("%s: session %s -> %s failed: %r", self.lst.name, self.client, self.backend, exc)
         self.lst.stats.dial_failures += 1
-        self.lst.picker.dial_failed(self.backend)
+        self.lst.picker.dial_failed(self.backend, DialOutcome.REFUSED)
         self.close()
 
     def _check_idle(self) -> None:
@@ -310,7 +311,7 @@ class UdpListener:
             sock.close()
             stats.udp_dropped_send_failed += 1
             stats.dial_failures += 1
-            self.picker.dial_failed(backend)
+            self.picker.dial_failed(backend, DialOutcome.UNREACHABLE)
             log.debug("%s: cannot open a socket to %s: %r", self.name, backend, exc)
             return None
         session = _Session(self, client, backend, sock, ep)

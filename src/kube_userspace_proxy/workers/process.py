@@ -38,7 +38,7 @@ from kube_userspace_proxy.balancer import (
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
 from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.dataplane.tcp import is_listening
-from kube_userspace_proxy.model import Address, Protocol, ServicePortName, SocketKey
+from kube_userspace_proxy.model import Address, DialOutcome, Protocol, ServicePortName, SocketKey
 from kube_userspace_proxy.workers import channel, protocol
 from kube_userspace_proxy.workers.protocol import (
     Adopt,
@@ -126,8 +126,8 @@ class _Pool(EndpointPool):
         self.worker = worker
         self.fresh = True
 
-    def dial_failed(self, address: Address) -> None:
-        super().dial_failed(address)
+    def dial_failed(self, address: Address, outcome: int = DialOutcome.REFUSED) -> None:
+        super().dial_failed(address, outcome)
         self.worker.report_penalty(self.pool_id, address)
 
     def take(
