@@ -51,3 +51,27 @@ def logged(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixtur
     yield caplog
     logger.removeHandler(caplog.handler)
     logger.setLevel(old_level)
+
+
+DATAPLANES = ("native", "python")
+"""The TCP data planes every data-plane test runs over (one suite, as uvicorn runs its tests
+over h11 and httptools). Without the extension the native runs fail rather than skip: a
+package that was meant to build it and did not is a defect."""
+
+
+@pytest.fixture(params=DATAPLANES)
+def dataplane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run the test over one data plane: listeners made without one get it, and so does a
+    proxy started in or out of this process with the default `--dataplane auto` (the
+    environment switch `KUP_NO_EXTENSIONS` makes auto the Python one; subprocesses inherit it)."""
+    from kube_userspace_proxy.dataplane import native, tcp
+
+    name = str(request.param)
+    if name == "python":
+        monkeypatch.setenv(native.NO_EXTENSIONS, "1")
+    else:
+        monkeypatch.delenv(native.NO_EXTENSIONS, raising=False)
+    tcp.set_default("auto")
+    assert tcp.default() == name, native.unavailable()
+    yield name
+    tcp.set_default("auto")

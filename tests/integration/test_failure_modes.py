@@ -18,7 +18,7 @@ import pytest
 from tests.integration.conftest import Proxy, service, write_manifest
 from tests.integration.netns import NODE_IP, PODS, Topology, stop, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("dataplane")]
 
 HEALTHZ = "127.0.0.1:10256"
 METRICS = "127.0.0.1:10249"

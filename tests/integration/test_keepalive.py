@@ -19,7 +19,7 @@ import pytest
 from tests.integration.conftest import running_proxies, service
 from tests.integration.netns import PODS, Topology, stop, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("dataplane")]
 
 IDLE_PORT = 9090
 CLUSTER_IP = "10.96.0.30"

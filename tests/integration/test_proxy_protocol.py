@@ -16,7 +16,7 @@ import pytest
 from tests.integration.conftest import running_proxies, service
 from tests.integration.netns import CLIENT_IP, NODE_IP, Topology, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("dataplane")]
 
 NGINX_PORT = 8081
 ANNOTATION = "kube-userspace-proxy.io/proxy-protocol"

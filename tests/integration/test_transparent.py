@@ -35,7 +35,7 @@ import pytest
 from tests.integration.conftest import IPTABLES, PROXY, SAVE, SAVE6, write_manifest
 from tests.integration.netns import CLIENT, Netns, sh, stop, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("dataplane")]
 
 NODE_A, NODE_B = "192.168.50.1", "192.168.50.2"
 EXT_GW, EXT = "192.168.60.1", "192.168.60.10"

@@ -21,6 +21,9 @@ from typing import Any
 
 import pytest
 
+# Every test here runs over both TCP data planes (tests/conftest.py `dataplane`).
+pytestmark = pytest.mark.usefixtures("dataplane")
+
 CHILD = textwrap.dedent(
     """
     import asyncio, json, logging, os, resource, socket, sys, time

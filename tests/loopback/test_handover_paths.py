@@ -19,6 +19,9 @@ from kube_userspace_proxy import fdpass
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener
 from kube_userspace_proxy.dataplane.tcp import is_listening
 
+# Every test here runs over both TCP data planes (tests/conftest.py `dataplane`).
+pytestmark = pytest.mark.usefixtures("dataplane")
+
 BOTH_LOOPS = pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])
 
 

@@ -30,6 +30,9 @@ from tests.loopback.proxyrun import (
     write_manifests,
 )
 
+# Every test here runs over both TCP data planes (tests/conftest.py `dataplane`).
+pytestmark = pytest.mark.usefixtures("dataplane")
+
 FORGED = b"PROXY TCP4 6.6.6.6 127.0.0.1 1234 80\r\n"
 CLIENT = "127.0.0.2"
 # More than the proxy queues while dialing (high_water, 256 KiB) and then some left unread.

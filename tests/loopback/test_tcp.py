@@ -20,6 +20,9 @@ import pytest
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, proxyproto, sockets
 from kube_userspace_proxy.dataplane.splice import PIPE_SIZE
 
+# Every test here runs over both TCP data planes (tests/conftest.py `dataplane`).
+pytestmark = pytest.mark.usefixtures("dataplane")
+
 MiB = 1 << 20
 BOTH_LOOPS = pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])
 Backends = Callable[..., Awaitable[Any]]  # conftest.tcp_backends

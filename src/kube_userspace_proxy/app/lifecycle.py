@@ -51,6 +51,7 @@ async def serve(
         limit,
     )
     proxy = build(config)
+    log.info("TCP data plane: %s", proxy.dataplane)
     # Until the first sync, nearly all that is built lives on (see collector.py).
     proxy.first_build.begin()
     try:

@@ -18,6 +18,7 @@ from kube_userspace_proxy.app.pipeline import Pipeline
 from kube_userspace_proxy.app.saver import StateSaver
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.config.settings import ProxyConfig
+from kube_userspace_proxy.dataplane import native, tcp
 from kube_userspace_proxy.errors import PrerequisiteError
 from kube_userspace_proxy.model import ClaimKey, Desired, ProxiedPort, Snapshot
 from kube_userspace_proxy.ops.health import ProxyHealth
@@ -91,6 +92,8 @@ class Proxy:
         # included) and applies each have their own, so an apply need not wait for a commit.
         self._sync_lock = asyncio.Lock()
         self._apply_lock = asyncio.Lock()
+        self.dataplane = choose_dataplane(config.dataplane)
+        """`native` or `python`: the TCP data plane that serves (here and in the workers)."""
         workers = config.worker_count
         self.workers: WorkerPool | None = None
         self.portals: Portals | None = None
@@ -104,6 +107,7 @@ class Proxy:
                 verbosity=config.verbosity,
                 log_format=config.log_format,
                 event_loop=config.event_loop,
+                dataplane=self.dataplane,
             )
             self.proxier = Proxier(
                 self._allocator(config, self.workers),
@@ -125,6 +129,7 @@ class Proxy:
             per_service_port=config.metrics_per_service_port,
             transparent=config.preserve_source_ip,
             ip_families=_families(config.bind_address),
+            dataplane=self.dataplane,
         )
         if self.workers is not None:
             self.metrics.follow_workers(self.workers)
@@ -285,3 +290,21 @@ def _families(bind_address: str) -> tuple[str, ...]:
     if bind_address == "::":
         return ("IPv4", "IPv6")  # dual stack (IPV6_V6ONLY off)
     return ("IPv6",) if addresses.ip_family(bind_address) == 6 else ("IPv4",)
+
+
+def choose_dataplane(name: str) -> str:
+    """The TCP data plane for --dataplane `name`, made this process's default; `auto` without
+    the extension is the Python data plane, said once; `native` without it is an error."""
+    try:
+        chosen = tcp.set_default(name)
+    except ValueError as exc:
+        raise PrerequisiteError(
+            f"{exc}; build it with a C compiler and Python's headers (pip install .),"
+            " or run with --dataplane python"
+        ) from None
+    if name == "auto" and chosen == "python":
+        log.warning(
+            "the native data plane cannot serve (%s): serving with the Python data plane",
+            native.unavailable(),
+        )
+    return chosen

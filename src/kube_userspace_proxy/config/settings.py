@@ -160,6 +160,10 @@ class ProxyConfig(BaseModel):
     """Node IPs for host-side DNAT; default: the Node object's addresses."""
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     """Event loop implementation."""
+    dataplane: Literal["auto", "native", "python"] = "auto"
+    """Which TCP data plane moves the bytes: native (C, accept to close without a Python call
+    per read or write), python (asyncio Protocols, the reference), or auto (native when the
+    extension is built, else python, said once at start)."""
     log_format: Literal["text", "json"] = "text"
     """Log line format."""
     verbosity: int = 0

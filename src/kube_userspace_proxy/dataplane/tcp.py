@@ -26,6 +26,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from kube_userspace_proxy import logs
+from kube_userspace_proxy.dataplane import native
 from kube_userspace_proxy.dataplane.connection import Connection, Settings, Shared
 from kube_userspace_proxy.dataplane.stats import NO_DESCRIPTORS, ConnStats, Picker, notices
 
@@ -41,6 +42,35 @@ ACCEPT_BURST = 64
 ACCEPT_PAUSE = 0.1
 # accept() errors about one connection that went away before it was accepted: take the next.
 _GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
+
+DATAPLANES = ("auto", "native", "python")
+"""--dataplane: `native` moves bytes in C (`native.py`), `python` in asyncio Protocols
+(`connection.py`, the reference); `auto` is native when the extension is built."""
+_default = "auto"
+
+
+def resolve(name: str) -> str:
+    """`native` or `python` for a --dataplane value; ValueError for native when not built."""
+    if name not in DATAPLANES:
+        raise ValueError(f"--dataplane {name!r}: not one of {', '.join(DATAPLANES)}")
+    if name == "auto":
+        return "python" if native.unavailable() else "native"
+    if name == "native" and native.unavailable():
+        raise ValueError(f"--dataplane native: {native.unavailable()}")
+    return name
+
+
+def set_default(name: str) -> str:
+    """Make `name` the data plane of listeners made without one; the resolved name."""
+    global _default
+    resolved = resolve(name)
+    _default = name  # auto stays auto: resolved again as each listener is made
+    return resolved
+
+
+def default() -> str:
+    """The data plane a listener made without one gets (`native` or `python`)."""
+    return resolve(_default)
 
 
 def _reserve(sock: socket.socket) -> socket.socket:
@@ -129,6 +159,7 @@ class TcpListener:
     """
 
     __slots__ = (
+        "__weakref__",
         "_address",
         "_adopted_listening",
         "_backlog",
@@ -136,16 +167,20 @@ class TcpListener:
         "_dial_timeouts",
         "_family",
         "_high_water",
+        "_idle_waiter",
         "_keepalive",
+        "_lid",
         "_listening",
         "_loop",
         "_picker",
+        "_plane",
         "_resume",
         "_settings",
         "_shared",
         "_sock",
         "_splice",
         "_stats",
+        "dataplane",
         "key",
         "name",
         "on_listen",
@@ -165,6 +200,7 @@ class TcpListener:
         keepalive: float = KEEPALIVE,
         adopt: bool = False,
         pinned: bool = False,
+        dataplane: str | None = None,
     ) -> None:
         if sock.type != socket.SOCK_STREAM:
             raise ValueError(f"TcpListener needs a TCP socket, got {sock!r}")
@@ -204,6 +240,11 @@ class TcpListener:
         # with it. `key` is the owner's name for this listener: one callback serves them all.
         self.on_listen: Callable[[Any, socket.socket | None], None] | None = None
         self.key: Any = None
+        self.dataplane = resolve(dataplane) if dataplane is not None else default()
+        """`native` or `python`: which data plane serves this port's connections."""
+        self._plane: native.NativePlane | None = None  # the native plane, once started
+        self._lid = -1  # the native plane's id of the listening socket while it accepts
+        self._idle_waiter: asyncio.Future[None] | None = None  # drain(), native plane
 
     @property
     def settings(self) -> Settings:
@@ -243,6 +284,11 @@ class TcpListener:
             self._shared.picker = picker
 
     @property
+    def keepalive_options(self) -> tuple[tuple[int, int, int], ...]:
+        """The keepalive setsockopt triples of this listener's connections (() = off)."""
+        return self._keepalive
+
+    @property
     def stats(self) -> ConnStats:
         stats = self._stats
         if not isinstance(stats, ConnStats):
@@ -252,11 +298,13 @@ class TcpListener:
     @property
     def splice(self) -> bool:
         """True while connections may switch to splice (cleared if splice(2) is refused)."""
+        if self._plane is not None:
+            return self._splice and self._plane.splice
         return self._shared.splice if self._shared is not None else self._splice
 
     @property
     def conns(self) -> Collection[Connection]:
-        """The open connections."""
+        """The open connections of the Python data plane (the native one keeps its own)."""
         return self._shared.conns if self._shared is not None else ()
 
     async def start(self) -> None:
@@ -265,12 +313,15 @@ class TcpListener:
         Raises OSError when the port cannot listen.
         """
         self._loop = loop = asyncio.get_running_loop()
+        if self.dataplane == "native" and self._plane is None and not self._closed:
+            self._plane = native.for_loop(loop)
+            self._plane.attach(self)
         if self._adopted_listening and not self._closed:
             # Handed over listening: accept from it as it is (its backlog and its place in
             # the reuseport group are kept); without endpoints it refuses from now on.
             self._adopted_listening = False
             assert self._sock is not None
-            loop.add_reader(self._sock.fileno(), self._accept)
+            self._watch(self._sock)
             self._listening = True
             if not self._picker:
                 self._stop_listening()
@@ -305,7 +356,7 @@ class TcpListener:
         assert sock is not None
         sock.listen(self._backlog)
         try:
-            self.loop.add_reader(sock.fileno(), self._accept)
+            self._watch(sock)
         except BaseException:
             _unlisten(sock)
             raise
@@ -313,6 +364,32 @@ class TcpListener:
         log.debug("%s: listening on %s", self.name, self._address)
         if self.on_listen is not None:
             self.on_listen(self.key, sock)
+
+    def _watch(self, sock: socket.socket) -> None:
+        """Accept from the listening `sock` from now on, on this listener's data plane."""
+        if self._plane is not None:
+            self._lid = self._plane.watch(self, sock)
+        else:
+            self.loop.add_reader(sock.fileno(), self._accept)
+
+    def _unwatch(self, sock: socket.socket) -> None:
+        if self._plane is not None:
+            if self._lid >= 0:
+                self._plane.unwatch(self._lid)
+                self._lid = -1
+        else:
+            self.loop.remove_reader(sock.fileno())
+
+    def pause_accepting(self) -> None:
+        """Accepting failed (no descriptors): stop for ACCEPT_PAUSE seconds (native plane)."""
+        if self._listening and self._sock is not None and self._resume is None:
+            self._pause_accepting(self._sock)
+
+    def idle(self) -> None:
+        """The native plane's last connection of this listener ended (drain waits for it)."""
+        waiter = self._idle_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _accept(self) -> None:
         """The listening socket is readable: accept a burst of connections."""
@@ -346,13 +423,13 @@ class TcpListener:
         # Level-triggered readiness would call _accept again at once: stop watching the
         # socket for a moment; the kernel keeps new connections in the backlog meanwhile.
         loop = self.loop
-        loop.remove_reader(lsock.fileno())
+        self._unwatch(lsock)
         self._resume = loop.call_later(ACCEPT_PAUSE, self._resume_accepting, lsock)
 
     def _resume_accepting(self, lsock: socket.socket) -> None:
         self._resume = None
         if self._listening and self._sock is lsock:
-            self.loop.add_reader(lsock.fileno(), self._accept)
+            self._watch(lsock)
 
     def _stop_listening(self) -> None:
         """Refuse from now on, keeping the port."""
@@ -374,6 +451,8 @@ class TcpListener:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._plane is not None:
+            self._plane.detach(self)
 
     async def release(self) -> None:
         """Stop accepting and close this process's descriptor only: the socket, its backlog
@@ -388,6 +467,8 @@ class TcpListener:
             self._stop_accepting(sock)
         sock.close()
         self._sock = None
+        if self._plane is not None:
+            self._plane.detach(self)
 
     def _stop_accepting(self, sock: socket.socket) -> None:
         """No more accept() calls here: the reader (or the resume after EMFILE) is dropped."""
@@ -396,7 +477,7 @@ class TcpListener:
             self._resume.cancel()
             self._resume = None
         else:
-            self.loop.remove_reader(sock.fileno())
+            self._unwatch(sock)
 
     def fileno(self) -> int:
         """The descriptor of the port's socket (to hand it over); -1 once closed."""
@@ -404,6 +485,9 @@ class TcpListener:
 
     async def drain(self, timeout: float) -> None:  # noqa: ASYNC109 - the contract's shape
         """Wait up to `timeout` seconds for connections in flight, then close the rest (FIN)."""
+        if self._plane is not None:
+            await self._drain_native(self._plane, timeout)
+            return
         shared = self._shared
         if shared is not None and shared.conns:
             shared.idle = self.loop.create_future()
@@ -423,6 +507,24 @@ class TcpListener:
             finally:
                 shared.idle = None
 
+    async def _drain_native(self, plane: native.NativePlane, timeout: float) -> None:  # noqa: ASYNC109
+        if not plane.active(self):
+            return
+        self._idle_waiter = self.loop.create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle_waiter
+        except TimeoutError:
+            log.info(
+                "%s: closing %d connections still open after %.1fs",
+                self.name,
+                plane.active(self),
+                timeout,
+            )
+            plane.close_connections(self)
+        finally:
+            self._idle_waiter = None
+
     @property
     def address(self) -> tuple[Any, ...]:
         """The bound address (host, port[, flowinfo, scope_id])."""
@@ -434,6 +536,8 @@ class TcpListener:
 
     @property
     def active_connections(self) -> int:
+        if self._plane is not None:
+            return self._plane.active(self)
         return len(self.conns)
 
     @property
@@ -444,6 +548,8 @@ class TcpListener:
     @property
     def buffered_bytes(self) -> int:
         """Bytes the proxy holds for its connections: write and dial buffers, splice pipes."""
+        if self._plane is not None:
+            return self._plane.buffered(self)
         total = 0
         for conn in self.conns:
             total += conn.pending_size + conn.transport.get_write_buffer_size()

@@ -196,6 +196,7 @@ class ProxyMetrics:
         per_service_port: bool = True,
         transparent: bool = False,
         ip_families: Sequence[str] = ("IPv4",),
+        dataplane: str = "python",
     ) -> None:
         self._ports = PortMetrics(
             port_stats, proxy_ports, enabled=per_service_port, transparent=transparent
@@ -206,6 +207,12 @@ class ProxyMetrics:
         if process_metrics:
             ProcessCollector(registry=base)
             PlatformCollector(registry=base)
+        Gauge(
+            "kube_userspace_proxy_dataplane_info",
+            "The TCP data plane that serves: native (C) or python (asyncio Protocols).",
+            ["dataplane"],
+            registry=base,
+        ).labels(dataplane).set(1)
         # kube-proxy (1.28+) labels these by ip_family; one sync here serves every family the
         # proxy ports serve, so each sample is recorded under each of them.
         self._families = tuple(ip_families)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from kube_userspace_proxy.balancer import PINS_SHOWN, BalancerView, EndpointPool
-from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener
+from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, native
 from kube_userspace_proxy.model import ServicePortName
 from kube_userspace_proxy.proxier.contracts import DataPlane, Listener, Pins
 
@@ -44,6 +44,7 @@ class LocalDataPlane:
         return pool.affinity_count(), pool.affinity_entries(PINS_SHOWN)
 
     def balancer_view(self, pool: EndpointPool) -> BalancerView:
+        native.count_bytes()
         return BalancerView(pool.tallies(), [(None, pool.recent_picks())], pool.penalized())
 
 

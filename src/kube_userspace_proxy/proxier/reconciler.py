@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequenc
 from typing import Any, Generic, cast
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.dataplane import ConnStats
+from kube_userspace_proxy.dataplane import ConnStats, native
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
     Change,
@@ -383,6 +383,7 @@ class Proxier(Generic[PoolT]):
 
     def port_stats(self) -> list[tuple[ServicePortName, ConnStats]]:
         """(service port, its counters) for every served port; read by metrics at scrape time."""
+        native.count_bytes()  # open native connections' bytes, counted when they are read
         return [(name, served.stats) for name, served in self._served.items()]
 
     def open_ports(self) -> int:

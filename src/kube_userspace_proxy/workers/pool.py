@@ -186,10 +186,11 @@ class WorkerPool:
         verbosity: int = 0,
         log_format: str = "text",
         event_loop: str = "uvloop",
+        dataplane: str = "auto",
     ) -> None:
         self.count = count
         argv = ["--workers", str(count), "-v", str(verbosity), "--log-format", log_format]
-        argv += ["--event-loop", event_loop]
+        argv += ["--event-loop", event_loop, "--dataplane", dataplane]
         replies = Replies()
         self._supervisor = Supervisor(
             count,

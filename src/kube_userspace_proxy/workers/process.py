@@ -35,9 +35,9 @@ from kube_userspace_proxy.balancer import (
     Transparency,
     source_policy,
 )
-from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
+from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, native, steering
 from kube_userspace_proxy.dataplane.stats import COUNTERS
-from kube_userspace_proxy.dataplane.tcp import is_listening
+from kube_userspace_proxy.dataplane.tcp import DATAPLANES, is_listening, set_default
 from kube_userspace_proxy.model import Address, DialOutcome, Protocol, ServicePortName, SocketKey
 from kube_userspace_proxy.workers import channel, protocol
 from kube_userspace_proxy.workers.protocol import (
@@ -525,6 +525,7 @@ class Worker:
         until a view reads it: 10,000 pools as nested tuples were ~140,000 objects for its
         garbage collector to walk, and its full passes took 10-25 ms of CPU.
         """
+        native.count_bytes()  # open native connections' bytes so far
         stats = list(self._stats.items())
         pools = list(self._pools.items()) if collect.debug else []
         parts = max(1, -(-max(len(stats), len(pools)) // REPORT_PART))
@@ -584,8 +585,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-v", dest="verbosity", type=int, default=0)
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop")
+    parser.add_argument("--dataplane", choices=DATAPLANES, default="auto")
     args = parser.parse_args(argv)
     logs.setup(args.verbosity, args.log_format)
+    set_default(args.dataplane)  # the control process checked that it is available
     factory = None
     if args.event_loop == "uvloop":
         import uvloop  # noqa: PLC0415 - only the chosen loop is imported
