@@ -212,7 +212,7 @@ def _entry(name: ServicePortName, info: ServicePortInfo, endpoints: tuple[Endpoi
         {
             "name": [name.namespace, name.name, name.port, str(name.protocol)],
             "info": {
-                field: value
+                field: list(value) if field == "balancing" else value  # a plain list in JSON
                 for field, default in _INFO_FIELDS
                 if (value := getattr(info, field)) != default
             },
