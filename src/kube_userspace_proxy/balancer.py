@@ -4,13 +4,9 @@ endpoints are usable at all is `topology`'s)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import functools
-import hashlib
 import time
-import zlib
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,15 +14,37 @@ from typing import Any, Protocol
 
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.model import (
-    MAX_EJECTION_SECONDS,
-    SCHEDULERS,
     Address,
     DialOutcome,
     Endpoint,
     ServicePortName,
     SourcePolicy,
 )
-from kube_userspace_proxy.nodecounts import NodeCounts
+from kube_userspace_proxy.outliers import Outliers, ejections, endpoint_label
+from kube_userspace_proxy.schedulers import (
+    ALL_PENALIZED,
+    PICK_KINDS,
+    PINNED,
+    RETRY,
+    ROUND_ROBIN,
+    SCHEDULED_KINDS,
+    EndpointTally,
+    Scheduling,
+    SharedTally,
+    maglev_table,
+)
+
+__all__ = [
+    "PICK_KINDS",
+    "SCHEDULED_KINDS",
+    "EndpointPool",
+    "EndpointTally",
+    "Outliers",
+    "SharedTally",
+    "ejections",
+    "endpoint_label",
+    "maglev_table",
+]
 
 log = logs.get(__name__)
 
@@ -63,24 +81,8 @@ _NO_RING: Any = ()  # a pool's ring before its first pick
 # dict of the pool's own when it gets its first entry (10,000 pools in a worker, most of
 # them never picked from, held 4 dicts and 3 tallies each: 1.3 KiB a pool).
 _NO_ENTRIES: dict[Any, Any] = {}
-_NO_SUSPECTS: set[Any] = set()
 NO_LOCAL: frozenset[Address] = frozenset()
 """No endpoint runs on this node (`EndpointPool.update`'s `local`): one object for every pool."""
-# Why an endpoint was picked (kept as ints in the ring; named only when viewed). The first
-# is the pool's scheduler's own choice, named after it (`SCHEDULED_KINDS`).
-ROUND_ROBIN, PINNED, RETRY, ALL_PENALIZED = 0, 1, 2, 3
-PICK_KINDS = ("round-robin", "affinity", "retry", "all-penalized")
-RR, LC, SH = 0, 1, 2
-"""A pool's scheduler as the int it keeps (the index in `model.SCHEDULERS`)."""
-SCHEDULED_KINDS = ("round-robin", "least-connections", "source-hash")
-"""What a pick by each scheduler is called in the recent picks."""
-NO_SLOTS: tuple[int, ...] = ()
-"""A pool's endpoints' shared-count slots when it has none (not lc, or a single process)."""
-
-
-def scheduler_code(name: str) -> int:
-    """The int of scheduler `name` (one of `model.SCHEDULERS`; anything else is rr)."""
-    return SCHEDULERS.index(name) if name in SCHEDULERS else RR
 
 
 def _ring(names: int) -> bytearray | array[int]:
@@ -135,257 +137,10 @@ class PoolView(Protocol):
         ...
 
 
-class EndpointTally:
-    """Counters of one endpoint in one pool, plain ints the data plane bumps (see Picker).
-
-    TCP: `active` open connections, `total` connections that reached it; UDP: sessions.
-    `bytes_in` client -> endpoint, `bytes_out` endpoint -> client; `dial_failures` its
-    failed dials. Kept across endpoint updates while the address stays. `local`: the
-    endpoint runs on this node (its replies leave through this node). Its pool knows its
-    address (a slot less: 80 B a tally, 96 with it).
-    """
-
-    __slots__ = ("active", "bytes_in", "bytes_out", "dial_failures", "local", "total")
-
-    def __init__(self) -> None:
-        self.active = 0
-        self.total = 0
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.dial_failures = 0
-        self.local = False
-
-    def values(self) -> tuple[int, int, int, int, int]:
-        """(active, total, bytes_in, bytes_out, dial_failures)."""
-        return (self.active, self.total, self.bytes_in, self.bytes_out, self.dial_failures)
-
-
 _NOBODY = EndpointTally()  # `picked` before any pick: a sink nobody reads
 
 
-class SharedTally(EndpointTally):
-    """An endpoint's tally whose `active` count is also written to this worker's cell of the
-    node's shared counts (`nodecounts`), which least-connection picks sum over the workers.
-
-    The data plane bumps `active` as it does a plain tally's; only this process writes the
-    cell. `detach` zeroes the cell and stops writing it (the endpoint left the pool, or its
-    slot changed): connections still open keep counting here only.
-    """
-
-    __slots__ = ("_cell", "_cells", "_own")
-
-    def __init__(self, cells: memoryview, cell: int) -> None:
-        self._cells = cells
-        self._cell = cell
-        self._own = 0
-        super().__init__()
-
-    @property  # a slot in the base, a write-through property here
-    def active(self) -> int:
-        return self._own
-
-    @active.setter
-    def active(self, value: int) -> None:
-        self._own = value
-        if self._cell >= 0:
-            self._cells[self._cell] = value
-
-    def detach(self) -> None:
-        if self._cell >= 0:
-            self._cells[self._cell] = 0
-            self._cell = -1
-
-
-MAGLEV_SIZES = (4093, 16381, 65521)
-"""Prime lookup-table sizes; a pool takes the first of at least 100 entries per endpoint
-(Maglev's M >> N keeps each endpoint's share within ~1 % and the disruption near 1/N). Few
-sizes, so that one endpoint more or less changes the size only at 40/41 and 163/164
-endpoints (a new size moves most clients); a table takes ~7 ms to build at 4093 entries,
-~35 ms at 16381, in each worker, when the endpoints change."""
-
-
-def _endpoint_hashes(address: Address, size: int) -> tuple[int, int]:
-    """(offset, skip) of an endpoint's permutation: from its address alone, so every worker,
-    and every restart, builds the same table."""
-    digest = hashlib.blake2b(f"{address[0]}|{address[1]}".encode(), digest_size=16).digest()
-    return int.from_bytes(digest[:8]) % size, int.from_bytes(digest[8:]) % (size - 1) + 1
-
-
-def maglev_table(addresses: Sequence[Address]) -> array[int]:
-    """Maglev's lookup table for `addresses` (Eisenbud et al., NSDI 2016): each entry is an
-    index into `addresses`. Built in the addresses' sorted order, so the order of the list
-    does not matter; removing one endpoint moves its entries and few others."""
-    count = len(addresses)
-    size = next((m for m in MAGLEV_SIZES if m >= 100 * count), MAGLEV_SIZES[-1])
-    order = sorted(range(count), key=lambda i: addresses[i])
-    perms = [_endpoint_hashes(addresses[i], size) for i in order]
-    table = array("i", [-1]) * size
-    following = [0] * count
-    filled = 0
-    while True:
-        for k, (offset, skip) in enumerate(perms):
-            n = following[k]
-            place = (offset + n * skip) % size
-            while table[place] >= 0:
-                n += 1
-                place = (offset + n * skip) % size
-            table[place] = order[k]
-            following[k] = n + 1
-            filled += 1
-            if filled == size:
-                return table
-
-
-def client_hash(client_ip: str) -> int:
-    """The client address's place in a Maglev table (any size): stable across processes."""
-    return zlib.crc32(client_ip.encode())
-
-
-def endpoint_label(address: Address) -> str:
-    """An endpoint as a metric label and log word: `ip:port`, `[ip]:port` for IPv6."""
-    ip, port = address
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-
-
-class EjectionRecord:
-    """The node's ejections for /metrics: counted per (service port, endpoint), and the
-    endpoints out now (with when they return)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self.totals: dict[tuple[str, str], int] = {}
-        """(service port, endpoint) -> ejections so far."""
-        self._out: dict[tuple[str, str], float] = {}
-
-    def ejected(self, name: str, address: Address, until: float) -> None:
-        key = (name, endpoint_label(address))
-        self.totals[key] = self.totals.get(key, 0) + 1
-        self._out[key] = until
-
-    def ejected_now(self) -> int:
-        """Endpoints ejected now (their ejection not over)."""
-        now = self._clock()
-        self._out = {k: u for k, u in self._out.items() if u > now}
-        return len(self._out)
-
-
-ejections = EjectionRecord()
-"""The process's record of ejections (the control process's: it decides every one)."""
-
-
-class Outliers:
-    """Passive outlier ejection for one pool: Envoy's consecutive-failure detector on dials.
-
-    `failures` consecutive failed dials to an endpoint (0: never) eject it for `base` seconds
-    times its ejections so far, at most `MAX_EJECTION_SECONDS`; a success ends the run. At
-    most max(1, 10 %) of the pool's endpoints are out at once, and none is ejected when fewer
-    than half would be left (Envoy's panic threshold). An endpoint back from an ejection is
-    dialed again; its next failure, before a success, ejects it again.
-    """
-
-    __slots__ = (
-        "_clock",
-        "_ejections",
-        "_probation",
-        "_streak",
-        "_until",
-        "base",
-        "failures",
-        "name",
-    )
-
-    def __init__(
-        self,
-        name: ServicePortName,
-        *,
-        failures: int = 5,
-        base: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.name = name
-        self.failures = failures
-        self.base = base
-        self._clock = clock
-        self._streak: dict[Address, int] = {}
-        self._ejections: dict[Address, int] = {}
-        self._until: dict[Address, float] = {}
-        self._probation: set[Address] = set()
-
-    def failed(self, address: Address, endpoints: int) -> float:
-        """A dial to `address` (one of `endpoints` usable ones) failed: the seconds it is
-        ejected for from now (0: it is not)."""
-        if self.failures <= 0:
-            return 0.0
-        now = self._clock()
-        until = self._until.get(address)
-        if until is not None:
-            if until > now:
-                return 0.0  # out already: dials begun before it went
-            self._return(address)
-        streak = self._streak.get(address, 0) + 1
-        self._streak[address] = streak
-        if streak < self.failures and address not in self._probation:
-            return 0.0
-        out = sum(1 for u in self._until.values() if u > now)
-        if out + 1 > max(1, endpoints // 10):
-            return 0.0  # as many out as may be: it stays in, its run goes on
-        if endpoints - out - 1 < endpoints / 2:
-            return 0.0  # panic threshold: fewer than half would be left
-        times = self._ejections.get(address, 0) + 1
-        seconds = min(self.base * times, MAX_EJECTION_SECONDS)
-        self._ejections[address] = times
-        self._until[address] = now + seconds
-        del self._streak[address]
-        self._probation.discard(address)
-        ejections.ejected(str(self.name), address, now + seconds)
-        log.warning(
-            "%s: endpoint %s ejected for %gs after %d consecutive failed dials (ejection %d)",
-            self.name,
-            endpoint_label(address),
-            seconds,
-            streak,
-            times,
-        )
-        with contextlib.suppress(RuntimeError):  # no loop (tests): seen when next read
-            asyncio.get_running_loop().call_later(seconds, self.check_returns)
-        return seconds
-
-    def succeeded(self, address: Address) -> None:
-        """A dial to `address` connected: its run of failures (and its probation) ends."""
-        self._streak.pop(address, None)
-        self._probation.discard(address)
-
-    def ejected(self) -> list[tuple[Address, float]]:
-        """The endpoints out now: (endpoint, seconds left)."""
-        self.check_returns()
-        now = self._clock()
-        return [(a, u - now) for a, u in self._until.items()]
-
-    def check_returns(self) -> None:
-        """Log the return of every endpoint whose ejection is over."""
-        now = self._clock()
-        for address in [a for a, u in self._until.items() if u <= now]:
-            self._return(address)
-
-    def _return(self, address: Address) -> None:
-        del self._until[address]
-        self._probation.add(address)
-        log.warning(
-            "%s: endpoint %s returns after its ejection; one more failed dial ejects it again",
-            self.name,
-            endpoint_label(address),
-        )
-
-    def keep(self, addresses: Sequence[Address]) -> None:
-        """Forget the endpoints not among `addresses` (gone from the pool)."""
-        alive = set(addresses)
-        for table in (self._streak, self._ejections, self._until):
-            for gone in [a for a in table if a not in alive]:
-                del table[gone]
-        self._probation &= alive
-
-
-class EndpointPool:
+class EndpointPool(Scheduling):
     """Chooses an endpoint for each new connection of one service port (one traffic path).
 
     Round robin over the usable endpoints; with ClientIP affinity a client keeps its endpoint
@@ -401,32 +156,20 @@ class EndpointPool:
 
     __slots__ = (
         "__weakref__",  # the worker pool's publisher keys its pools weakly
-        "_addresses",
-        "_clock",
-        "_counts",
-        "_cursor",
         "_fresh_at",
         "_index_of",
         "_local",
-        "_maglev",
-        "_penalties",
         "_picked_from",
         "_picks",
         "_pin_used",
         "_pinned",
         "_recent",
-        "_scheduler",
-        "_shared_slots",
         "_slot",
         "_slots",
-        "_suspects",
         "_sweep_at",
-        "_tallies",
         "_timeout",
-        "_worker",
         "max_affinity_entries",
         "name",
-        "outliers",
         "penalty_seconds",
         "picked",
         "proxy_protocol",
@@ -445,6 +188,7 @@ class EndpointPool:
         slots: int = 1,
         source: SourcePolicy | None = None,
     ) -> None:
+        super().__init__()
         self.name = name
         self.penalty_seconds = penalty_seconds
         self.max_affinity_entries = max(1, max_affinity_entries)
@@ -483,18 +227,6 @@ class EndpointPool:
         self.source: SourcePolicy | None = source
         """Transparent dialing (--preserve-source-ip) and the node's local clients; None: off."""
         self._local: frozenset[Address] = NO_LOCAL
-        self._scheduler = RR
-        self._maglev: array[int] | None = None  # sh: made at the first pick after an update
-        # lc across workers: the node's shared counts, this worker's column, the endpoints'
-        # slots (parallel to _addresses; -1: counted here only). None: this process's counts.
-        self._counts: NodeCounts | None = None
-        self._worker = -1
-        self._shared_slots: tuple[int, ...] = NO_SLOTS
-        # Endpoints with a failed dial since their last success (a success is then reported).
-        self._suspects: set[Address] = _NO_SUSPECTS
-        self.outliers: Outliers | None = None
-        """Passive ejection decided here (a single process); None: off, or decided by the
-        control process from the workers' reports."""
         self.take_slot(slot, slots)
 
     # -- reading -------------------------------------------------------------------------------
@@ -542,30 +274,6 @@ class EndpointPool:
         """The ClientIP affinity timeout in seconds now in force; None without affinity."""
         return self._timeout
 
-    @property
-    def scheduler(self) -> str:
-        """The scheduler picking now (one of `model.SCHEDULERS`)."""
-        return SCHEDULERS[self._scheduler]
-
-    def set_scheduler(self, name: str) -> None:
-        """Pick with scheduler `name` from now on (one of `model.SCHEDULERS`; else rr)."""
-        code = scheduler_code(name)
-        if code != self._scheduler:
-            self._scheduler = code
-            self._maglev = None
-
-    def share_counts(self, counts: NodeCounts | None, worker: int, slots: tuple[int, ...]) -> None:
-        """Count active connections in the node's shared `counts` (column `worker`), each
-        endpoint in its slot of `slots` (parallel to the addresses; -1: not shared), so that
-        least-connection picks see every worker's. `counts` None: this process's own."""
-        if counts is None or worker < 0 or len(slots) != len(self._addresses):
-            counts, slots = None, NO_SLOTS
-        if (counts, worker, slots) == (self._counts, self._worker, self._shared_slots):
-            return
-        self._counts, self._worker, self._shared_slots = counts, worker, slots
-        if self._recent is not _NO_RING:
-            self._tallies = self._tallied(self._addresses, self._tallies)
-
     def affinity_entries(self, limit: int | None = None) -> list[tuple[str, Address, float]]:
         """Live pins: (client ip, endpoint address, seconds left before it expires).
 
@@ -608,11 +316,6 @@ class EndpointPool:
         now = self._clock()
         return [(a, until - now) for a, until in self._penalties.items() if until > now]
 
-    def active_counts(self) -> list[tuple[Address, int]]:
-        """Each usable endpoint's open connections as `lc` sees them (node-wide when the
-        counts are shared), in round-robin order."""
-        return [(a, self._load(i)) for i, a in enumerate(self._addresses)]
-
     # -- changing ------------------------------------------------------------------------------
 
     def update(
@@ -652,13 +355,7 @@ class EndpointPool:
         old = self._addresses
         self._addresses = addresses
         self._index_of = _NO_ENTRIES
-        self._maglev = None
-        if self._counts is not None:  # the slots were for the old list: the next table's
-            self._counts, self._shared_slots = None, NO_SLOTS
-        if self.outliers is not None:
-            self.outliers.keep(addresses)
-        if self._suspects:
-            self._suspects = self._suspects & set(addresses)
+        self._addresses_changed(addresses)
         if self._recent is not _NO_RING:
             self._renew(old, addresses)
         if self._picks == self._fresh_at:
@@ -697,44 +394,6 @@ class EndpointPool:
         for i, entry in zip(picks, entries, strict=True):
             ring[i & _RECENT_MASK] = entry
 
-    def _tallied(
-        self,
-        addresses: tuple[Address, ...],
-        tallies: tuple[EndpointTally, ...],
-        old: tuple[Address, ...] | None = None,
-    ) -> tuple[EndpointTally, ...]:
-        """Tallies for `addresses`, taken over from `tallies` (of `old`; None: of the same
-        addresses) while the address stays: shared ones (`SharedTally`) in this worker's cell
-        of each endpoint's slot when the counts are shared, plain ones otherwise."""
-        kept = dict(zip(addresses if old is None else old, tallies, strict=True))
-        counts, slots = self._counts, self._shared_slots
-        out: list[EndpointTally] = []
-        for i, address in enumerate(addresses):
-            tally = kept.pop(address, None)
-            cell = -1 if counts is None else slots[i]
-            if cell >= 0 and counts is not None:
-                cell += self._worker * counts.slots
-            if isinstance(tally, SharedTally) and tally._cell == cell >= 0:
-                out.append(tally)
-                continue
-            if isinstance(tally, SharedTally):
-                tally.detach()
-            fresh = (
-                EndpointTally() if cell < 0 or counts is None else SharedTally(counts.cells, cell)
-            )
-            if tally is not None:  # carried over: its counters go on
-                fresh.total, fresh.bytes_in, fresh.bytes_out = (
-                    tally.total,
-                    tally.bytes_in,
-                    tally.bytes_out,
-                )
-                fresh.dial_failures, fresh.active = tally.dial_failures, tally.active
-            out.append(fresh)
-        for gone in kept.values():
-            if isinstance(gone, SharedTally):
-                gone.detach()
-        return tuple(out)
-
     def take_slot(self, slot: int, slots: int) -> None:
         """Make this pool worker `slot`'s copy of `slots`; it starts there if it has not picked.
 
@@ -747,18 +406,6 @@ class EndpointPool:
         if self._picks == self._fresh_at:
             self._cursor = self._start(len(self._addresses))
 
-    def dial_succeeded(self, address: Address) -> None:
-        """A dial to `address` connected (the data plane reports every one): a run of failed
-        dials to it, if any, ends."""
-        if self._suspects and address in self._suspects:
-            self._recovered(address)
-
-    def _recovered(self, address: Address) -> None:
-        """`address` connected after a failed dial (here, or another worker's)."""
-        self._suspects.discard(address)
-        if self.outliers is not None:
-            self.outliers.succeeded(address)
-
     def dial_failed(self, address: Address, outcome: int = DialOutcome.REFUSED) -> None:
         """Skip `address` for `penalty_seconds` (its dial just failed, as `outcome` says);
         with outlier ejection here, count it and maybe eject it for longer."""
@@ -768,22 +415,7 @@ class EndpointPool:
         if index is None:
             return
         self._tallies[index].dial_failures += 1
-        if self._suspects is _NO_SUSPECTS:
-            self._suspects = set()
-        self._suspects.add(address)
-        seconds = 0.0
-        if self.outliers is not None:
-            seconds = self.outliers.failed(address, len(self._addresses))
-        self.penalize(address, max(seconds, self.penalty_seconds))
-
-    def penalize(self, address: Address, seconds: float) -> None:
-        """Skip `address` for `seconds` from now (a failed dial's penalty, or an ejection)."""
-        if seconds > 0 and self._index(address) is not None:
-            if self._penalties is _NO_ENTRIES:
-                self._penalties = {}
-            until = self._clock() + seconds
-            if until > self._penalties.get(address, 0.0):
-                self._penalties[address] = until
+        self.penalize(address, max(self._suspect(address), self.penalty_seconds))
 
     def pick(self, client_ip: str, *, retry: bool = False) -> Address | None:
         """The endpoint for a new connection from `client_ip`; None when there is none.
@@ -850,10 +482,8 @@ class EndpointPool:
     def _next(
         self, addresses: tuple[Address, ...], count: int, now: float, retry: bool, client_ip: str
     ) -> Address:
-        if self._scheduler == LC:
-            return self._least(addresses, count, now, retry)
-        if self._scheduler == SH:
-            return self._hashed(addresses, count, now, retry, client_ip)
+        if self._scheduler:  # lc or sh
+            return self._scheduled(addresses, count, now, retry, client_ip)
         cursor = self._cursor
         first = cursor
         for _ in range(count):
@@ -865,66 +495,6 @@ class EndpointPool:
                 return address
         # Every endpoint is penalised: still try one, in round-robin order.
         self._cursor = first + 1 if first + 1 < count else 0
-        self._record(first, ALL_PENALIZED)
-        return addresses[first]
-
-    def _load(self, index: int) -> int:
-        """Open connections to the endpoint at `index`: node-wide when shared, else here."""
-        counts = self._counts
-        if counts is not None:
-            slot = self._shared_slots[index]
-            if slot >= 0:
-                return counts.load(slot)
-        if self._recent is _NO_RING:
-            return 0
-        return self._tallies[index].active
-
-    def _least(
-        self, addresses: tuple[Address, ...], count: int, now: float, retry: bool
-    ) -> Address:
-        """lc: the usable endpoint with the fewest open connections; among equals, the first
-        from the round-robin cursor (so ties go round robin)."""
-        cursor = self._cursor
-        best, fewest = -1, 0
-        penalties = self._penalties
-        for step in range(count):
-            index = cursor + step
-            if index >= count:
-                index -= count
-            if penalties and self._penalised(addresses[index], now):
-                continue
-            load = self._load(index)
-            if best < 0 or load < fewest:
-                best, fewest = index, load
-                if not load:
-                    break
-        if best < 0:  # every endpoint is penalised: still try one, in round-robin order
-            self._cursor = cursor + 1 if cursor + 1 < count else 0
-            self._record(cursor, ALL_PENALIZED)
-            return addresses[cursor]
-        self._cursor = best + 1 if best + 1 < count else 0
-        self._record(best, RETRY if retry else ROUND_ROBIN)
-        return addresses[best]
-
-    def _hashed(
-        self, addresses: tuple[Address, ...], count: int, now: float, retry: bool, client: str
-    ) -> Address:
-        """sh: the client's entry of the Maglev table; past a penalised endpoint, the next
-        entries in turn (the same ones in every worker, so the client still lands together)."""
-        table = self._maglev
-        if table is None:
-            table = self._maglev = maglev_table(addresses)
-        size = len(table)
-        place = client_hash(client) % size
-        first = table[place]
-        if not self._penalties or not self._penalised(addresses[first], now):
-            self._record(first, RETRY if retry else ROUND_ROBIN)
-            return addresses[first]
-        for step in range(1, size):
-            index = table[(place + step) % size]
-            if index != first and not self._penalised(addresses[index], now):
-                self._record(index, RETRY)
-                return addresses[index]
         self._record(first, ALL_PENALIZED)
         return addresses[first]
 
