@@ -136,6 +136,11 @@ class PoolView(Protocol):
         """The transparent-dialing inputs the workers need (--preserve-source-ip)."""
         ...
 
+    @property
+    def scheduled(self) -> tuple[int, tuple[int, ...]]:
+        """How the workers pick: (scheduler code, lc's shared-count slot per endpoint)."""
+        ...
+
 
 _NOBODY = EndpointTally()  # `picked` before any pick: a sink nobody reads
 

@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kube_userspace_proxy.model import SCHEDULERS, Address
+from kube_userspace_proxy.model import SCHEDULERS, Address, Balancing, ServicePortName
 from kube_userspace_proxy.nodecounts import NodeCounts
 from kube_userspace_proxy.outliers import Outliers
 
@@ -180,6 +180,30 @@ class Scheduling:
         self.outliers: Outliers | None = None
         """Passive ejection decided here (a single process); None: off, or decided by the
         control process from the workers' reports."""
+
+    name: ServicePortName
+
+    @property
+    def scheduled(self) -> tuple[int, tuple[int, ...]]:
+        """How this pool picks: (scheduler code, lc's shared-count slot per endpoint)."""
+        return (self._scheduler, self._shared_slots)
+
+    def balance(self, balancing: Balancing) -> None:
+        """Pick with `balancing.scheduler` and eject outliers here as `balancing` says (a
+        single process: no control process decides for this pool)."""
+        self.set_scheduler(balancing.scheduler)
+        if balancing.outlier_failures <= 0:
+            self.outliers = None
+        elif self.outliers is None:
+            self.outliers = Outliers(
+                self.name,
+                failures=balancing.outlier_failures,
+                base=balancing.outlier_base_ejection,
+                clock=self._clock,
+            )
+        else:
+            self.outliers.failures = balancing.outlier_failures
+            self.outliers.base = balancing.outlier_base_ejection
 
     def _record(self, index: int, kind: int) -> None:
         raise NotImplementedError

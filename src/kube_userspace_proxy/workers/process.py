@@ -38,7 +38,15 @@ from kube_userspace_proxy.balancer import (
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, steering
 from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.dataplane.tcp import is_listening
-from kube_userspace_proxy.model import Address, DialOutcome, Protocol, ServicePortName, SocketKey
+from kube_userspace_proxy.model import (
+    SCHEDULERS,
+    Address,
+    DialOutcome,
+    Protocol,
+    ServicePortName,
+    SocketKey,
+)
+from kube_userspace_proxy.nodecounts import NodeCounts
 from kube_userspace_proxy.workers import channel, protocol
 from kube_userspace_proxy.workers.protocol import (
     Adopt,
@@ -51,6 +59,7 @@ from kube_userspace_proxy.workers.protocol import (
     Delta,
     Drain,
     Drained,
+    Eject,
     Export,
     Exported,
     Hello,
@@ -61,7 +70,9 @@ from kube_userspace_proxy.workers.protocol import (
     Pong,
     PoolEntry,
     PoolView,
+    Recovered,
     Routes,
+    Scheduled,
     Settings,
     Steer,
     Table,
@@ -118,17 +129,23 @@ class _Pool(EndpointPool):
     """An endpoint pool whose dial failures are also reported to the other workers; the
     worker's copy of its slot (`EndpointPool.take_slot`)."""
 
-    __slots__ = ("fresh", "pool_id", "worker")
+    __slots__ = ("fresh", "pool_id", "sched", "worker")
 
     def __init__(self, pool_id: int, name: ServicePortName, worker: Worker) -> None:
         super().__init__(name, slot=worker.index, slots=worker.slots)
         self.pool_id = pool_id
         self.worker = worker
         self.fresh = True
+        self.sched: Scheduled = (0, ())
+        """How the table says to pick (kept: a spare shares its counts once it has a slot)."""
 
     def dial_failed(self, address: Address, outcome: int = DialOutcome.REFUSED) -> None:
         super().dial_failed(address, outcome)
         self.worker.report_penalty(self.pool_id, address)
+
+    def _recovered(self, address: Address) -> None:
+        super()._recovered(address)
+        self.worker.report_recovered(self.pool_id, address)
 
     def take(
         self,
@@ -136,16 +153,18 @@ class _Pool(EndpointPool):
         timeout: float | None,
         proxy_protocol: int,
         transparency: Transparency,
+        scheduled: Scheduled,
     ) -> bool:
         """Take this pool's entry of a table or delta; whether its endpoints changed."""
         self.proxy_protocol = proxy_protocol
         self.source = source_policy(transparency[0])
         # Compared with what the pool holds: a copy of the table's entries kept to compare
         # with was the table a second time in every worker (0.4 KiB a pool).
-        if not self.fresh and (addresses, timeout, transparency) == (
+        if not self.fresh and (addresses, timeout, transparency, scheduled) == (
             self.addresses,
             self.affinity_timeout,
             self.transparency,
+            self.sched,
         ):
             return False
         self.fresh = False
@@ -154,7 +173,15 @@ class _Pool(EndpointPool):
             affinity_timeout=timeout,
             local=frozenset(transparency[1]) if transparency[1] else NO_LOCAL,
         )
+        self.take_scheduled(scheduled)
         return True
+
+    def take_scheduled(self, scheduled: Scheduled) -> None:
+        """Pick as the table says; lc counts in this worker's column of the shared counts."""
+        self.sched = scheduled
+        code, slots = scheduled
+        self.set_scheduler(SCHEDULERS[code] if 0 <= code < len(SCHEDULERS) else "rr")
+        self.share_counts(self.worker.counting(slots), self.worker.index, slots)
 
 
 @dataclasses.dataclass(slots=True)
@@ -174,9 +201,13 @@ class Worker:
         writer: asyncio.StreamWriter,
         *,
         slots: int = 1,
+        counts: NodeCounts | None = None,
     ) -> None:
         self.index = index
         self.slots = slots
+        self.counts = counts
+        """The node's shared active-connection counts (lc); None: this worker's own only."""
+        self._cleared = False
         """How many workers serve (this one included): each starts its round robins at its
         own place, so that their first picks spread over the endpoints."""
         self._reader = reader
@@ -209,6 +240,7 @@ class Worker:
             Become: self._on_become,
             Steer: self._on_steer,
             Penalty: self._on_penalty,
+            Eject: self._on_eject,
             Collect: self._collect,
             Adopt: self._adopt,
             Export: self._export,
@@ -253,8 +285,11 @@ class Worker:
         """This spare takes the slot of a worker that died; its pools start at the slot's
         place if they have not picked yet."""
         self.index = become.worker
+        self._cleared = False  # a column of its own now: cleared at its first count
         for pool in self._pools.values():
             pool.take_slot(self.index, self.slots)
+            if pool.sched[1]:
+                pool.take_scheduled(pool.sched)
 
     async def _on_steer(self, steer: Steer) -> None:
         self.steer(steer.routes)
@@ -265,6 +300,12 @@ class Worker:
         if pool is not None:
             EndpointPool.dial_failed(pool, penalty.address)
 
+    async def _on_eject(self, eject: Eject) -> None:
+        """The control process ejected this endpoint: skip it for the time it says."""
+        pool = self._pools.get(eject.pool_id)
+        if pool is not None:
+            pool.penalize(eject.address, eject.seconds)
+
     async def _on_drain(self, drain: Drain) -> None:
         await self.drain(drain.grace, release=drain.release)
         protocol.send(self._writer, Drained(drain.seq, self.index))
@@ -273,6 +314,21 @@ class Worker:
 
     def report_penalty(self, pool_id: int, address: Address) -> None:
         protocol.send(self._writer, Penalty(pool_id, address))
+
+    def report_recovered(self, pool_id: int, address: Address) -> None:
+        protocol.send(self._writer, Recovered(pool_id, address))
+
+    def counting(self, slots: tuple[int, ...]) -> NodeCounts | None:
+        """The shared counts for a pool with `slots` (None: none, or this worker has no
+        column); this worker's column is cleared at its first use (its predecessor in the
+        slot may have died with connections counted)."""
+        counts = self.counts
+        if counts is None or not slots or not 0 <= self.index < counts.workers:
+            return None
+        if not self._cleared:
+            counts.clear_column(self.index)
+            self._cleared = True
+        return counts
 
     # ---- the table ---------------------------------------------------------------------------
 
@@ -307,13 +363,13 @@ class Worker:
         self.tcp_keepalive = float(settings.tcp_keepalive)
         self._routes.update(routes)
         changed: set[int] = set()
-        for pool_id, (pool_name, addresses, timeout, proxy_protocol, tp) in pools.items():
+        for pool_id, (pool_name, addresses, timeout, proxy_protocol, tp, sched) in pools.items():
             pool = self._pools.get(pool_id)
             if pool is None:
                 namespace, name, port, kind = pool_name
                 spn = ServicePortName(namespace, name, port, Protocol(kind))
                 pool = self._pools[pool_id] = _Pool(pool_id, spn, self)
-            if pool.take(addresses, timeout, proxy_protocol, tp):
+            if pool.take(addresses, timeout, proxy_protocol, tp, sched):
                 changed.add(pool_id)
         self.addresses.prune(self._pools.values())
         return changed
@@ -573,7 +629,13 @@ async def _main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, lambda: None)
-    return await Worker(args.index, reader, writer, slots=args.workers).run()
+    counts = None
+    if args.counts_fd >= 0:
+        try:
+            counts = NodeCounts(args.counts_fd, args.workers)
+        except (OSError, ValueError) as exc:
+            log.error("worker %d: no shared counts (lc counts per worker): %s", args.index, exc)
+    return await Worker(args.index, reader, writer, slots=args.workers, counts=counts).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -581,6 +643,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="the channel's descriptor")
     parser.add_argument("--index", type=int, required=True, help="this worker's number")
     parser.add_argument("--workers", type=int, default=1, help="how many workers serve (default 1)")
+    parser.add_argument(
+        "--counts-fd", type=int, default=-1, help="the shared counts' memfd (-1: none)"
+    )
     parser.add_argument("-v", dest="verbosity", type=int, default=0)
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop")
