@@ -191,3 +191,37 @@ async def test_a_refusing_endpoint_is_ejected_after_failures_seen_by_both_worker
             assert ejections.totals[(str(WEB), f"127.0.0.1:{dead}")] >= 1
             view = proxy.workers.balancer_view(pool)  # type: ignore[union-attr]
             assert view.scheduler == "rr" and view.ejected and view.ejected[0][0] == address
+
+
+async def test_one_process_ejects_a_refusing_endpoint_and_shows_it(tmp_path: Path) -> None:
+    dead = _refusing_port()
+    async with holding_backends(["a", "b", "c"]) as backends:
+        svc = service("web", [{"name": "http", "port": 80, "protocol": "TCP"}])
+        svc["metadata"]["annotations"] = {"kube-userspace-proxy.io/scheduler": "lc"}
+        targets = [("127.0.0.1", p) for _, p in backends] + [("127.0.0.1", dead)]
+        manifest = tmp_path / "svc.yaml"
+        write_manifests(manifest, [svc, *endpoint_slice("web", "http", targets)])
+        config = loopback_config(
+            manifest, outlier_consecutive_failures=1, outlier_base_ejection_time=45.0
+        )
+        async with running_proxy(config) as proxy:
+            port = proxy.proxier.port_of(WEB)
+            held = []
+            for _ in range(4):  # lc: the idle dead endpoint is dialed among the first
+                held.append((await _open("127.0.0.1", port))[1])
+            state = proxy.proxier.debug_state()[str(WEB)]["balancer"]["cluster"]
+            for writer in held:
+                writer.close()
+            assert state["scheduler"] == "lc"
+            [ejected] = state["ejected"]
+            assert ejected["endpoint"] == f"127.0.0.1:{dead}" and ejected["state"] == "ejected"
+            assert 40 < ejected["secondsLeft"] <= 45
+            [row] = [e for e in state["endpoints"] if e["endpoint"] == ejected["endpoint"]]
+            assert row["state"] == "ejected"
+            assert sorted(e["active"] for e in state["endpoints"]) == [0, 1, 1, 2]
+            text = proxy.metrics.render().decode()
+            assert (
+                f'kube_userspace_proxy_endpoint_ejections_total{{endpoint="127.0.0.1:{dead}",'
+                'service_port="default/web:http"} 1.0' in text
+            )
+            assert "kube_userspace_proxy_endpoints_ejected 1.0" in text
