@@ -142,7 +142,9 @@ def test_rules_say_each_services_scheduler_and_where_it_comes_from(
     _, out, err = rules(["--manifests", manifest], capsys)
     assert "#   scheduler sh (annotation): source hashing (Maglev)" in out
     assert "#   outlier ejection: off" in out
-    assert "Service data/db: annotation kube-userspace-proxy.io/scheduler: IPVS scheduler 'mh'" in err
+    assert "Service data/db: annotation kube-userspace-proxy.io/scheduler: IPVS scheduler 'mh'" in (
+        err
+    )
 
 
 def test_a_bad_ejection_annotation_is_one_warning_and_the_default(
