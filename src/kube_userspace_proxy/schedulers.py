@@ -151,6 +151,7 @@ class Scheduling:
         "_clock",
         "_counts",
         "_cursor",
+        "_ejecting",
         "_maglev",
         "_penalties",
         "_scheduler",
@@ -178,8 +179,9 @@ class Scheduling:
         # Endpoints with a failed dial since their last success (a success is then reported).
         self._suspects: set[Address] = _NO_SUSPECTS
         self.outliers: Outliers | None = None
-        """Passive ejection decided here (a single process); None: off, or decided by the
-        control process from the workers' reports."""
+        """Passive ejection decided here (a single process), made at the first failed dial;
+        None: none yet, off, or decided by the control process from the workers' reports."""
+        self._ejecting: Balancing | None = None  # the settings of ejection here (None: off)
 
     name: ServicePortName
 
@@ -192,16 +194,10 @@ class Scheduling:
         """Pick with `balancing.scheduler` and eject outliers here as `balancing` says (a
         single process: no control process decides for this pool)."""
         self.set_scheduler(balancing.scheduler)
-        if balancing.outlier_failures <= 0:
+        self._ejecting = balancing if balancing.outlier_failures > 0 else None
+        if self._ejecting is None:
             self.outliers = None
-        elif self.outliers is None:
-            self.outliers = Outliers(
-                self.name,
-                failures=balancing.outlier_failures,
-                base=balancing.outlier_base_ejection,
-                clock=self._clock,
-            )
-        else:
+        elif self.outliers is not None:
             self.outliers.failures = balancing.outlier_failures
             self.outliers.base = balancing.outlier_base_ejection
 
@@ -308,9 +304,18 @@ class Scheduling:
         if self._suspects is _NO_SUSPECTS:
             self._suspects = set()
         self._suspects.add(address)
-        if self.outliers is None:
-            return 0.0
-        return self.outliers.failed(address, len(self._addresses))
+        outliers = self.outliers
+        if outliers is None:  # made at the first failure: most pools never see one
+            ejecting = self._ejecting
+            if ejecting is None:
+                return 0.0
+            outliers = self.outliers = Outliers(
+                self.name,
+                failures=ejecting.outlier_failures,
+                base=ejecting.outlier_base_ejection,
+                clock=self._clock,
+            )
+        return outliers.failed(address, len(self._addresses))
 
     def _scheduled(
         self, addresses: tuple[Address, ...], count: int, now: float, retry: bool, client: str

@@ -66,6 +66,7 @@ class EndpointSet:
     __slots__ = (
         "__weakref__",  # the publisher ids pools weakly
         "_book",
+        "_ejecting",
         "_local",
         "_scheduler",
         "_slots",
@@ -83,7 +84,9 @@ class EndpointSet:
         self._scheduler = RR
         self._slots: dict[Address, int] = {}  # lc: each endpoint's slot in the shared counts
         self.outliers: Outliers | None = None
-        """Passive ejection, decided here for every worker (None: off)."""
+        """Passive ejection, decided here for every worker; made at the first failed dial
+        (None: none yet, or off)."""
+        self._ejecting: Balancing | None = None  # the settings of ejection (None: off)
         self.addresses: tuple[Address, ...] = ()
         """The usable endpoint addresses, in round-robin order."""
         self.affinity_timeout: float | None = None
@@ -126,17 +129,25 @@ class EndpointSet:
         the node's shared counts); eject outliers as `balancing` says."""
         self._scheduler = scheduler_code(balancing.scheduler)
         self._take_slots()
-        if balancing.outlier_failures <= 0:
+        self._ejecting = balancing if balancing.outlier_failures > 0 else None
+        if self._ejecting is None:
             self.outliers = None
-        elif self.outliers is None:
-            self.outliers = Outliers(
-                self.name,
-                failures=balancing.outlier_failures,
-                base=balancing.outlier_base_ejection,
-            )
-        else:
+        elif self.outliers is not None:
             self.outliers.failures = balancing.outlier_failures
             self.outliers.base = balancing.outlier_base_ejection
+
+    def dial_failed(self, address: Address) -> float:
+        """A worker's dial to `address` failed: the seconds it is ejected for now (0: not)."""
+        ejecting = self._ejecting
+        if ejecting is None:
+            return 0.0
+        if self.outliers is None:  # made at the first failure: most pools never see one
+            self.outliers = Outliers(
+                self.name,
+                failures=ejecting.outlier_failures,
+                base=ejecting.outlier_base_ejection,
+            )
+        return self.outliers.failed(address, len(self.addresses))
 
     @property
     def scheduled(self) -> Scheduled:
@@ -358,12 +369,13 @@ class WorkerPool:
         """A worker's dial failed (`Penalty`), or connected after a failure (`Recovered`):
         count it node-wide; an ejection is sent to every worker."""
         pool = self._publisher.pool(message.pool_id)
-        if not isinstance(pool, EndpointSet) or pool.outliers is None:
+        if not isinstance(pool, EndpointSet):
             return
         if isinstance(message, Recovered):
-            pool.outliers.succeeded(message.address)
+            if pool.outliers is not None:
+                pool.outliers.succeeded(message.address)
             return
-        seconds = pool.outliers.failed(message.address, len(pool.addresses))
+        seconds = pool.dial_failed(message.address)
         if seconds > 0:
             self._supervisor.broadcast(Eject(message.pool_id, message.address, seconds))
 
