@@ -389,6 +389,13 @@ class WorkerPool:
 
     async def _slot_taken(self, worker: WorkerLink) -> None:
         await self._publisher.send_table(worker)
+        # A worker new in its slot skips what the others skip: the endpoints ejected now.
+        for port in list(self._publisher.ports.values()):
+            pool = port.picker
+            pool_id = self._publisher.pool_id(pool)
+            if isinstance(pool, EndpointSet) and pool.outliers is not None and pool_id:
+                for address, left in pool.outliers.ejected():
+                    worker.send(Eject(pool_id, address, left))
 
     # ---- what the others read ----------------------------------------------------------------
 
