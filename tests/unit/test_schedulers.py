@@ -343,3 +343,12 @@ def test_ejections_are_counted_for_the_metrics() -> None:
     outliers = Outliers(name, failures=1, clock=clock)
     outliers.failed(("10.9.9.9", 80), 10)
     assert ejections.totals[("metrics/counted:p", "10.9.9.9:80")] == 1
+
+
+def test_a_workers_column_clears_without_touching_the_others() -> None:
+    counts = NodeCounts.create(workers=2, slots=16)
+    counts.cells[0 * 16 + 3] = 4  # worker 0, slot 3
+    counts.cells[1 * 16 + 3] = 2  # worker 1, slot 3
+    assert counts.load(3) == 6
+    counts.clear_column(0)  # worker 0 died; its successor starts from nothing
+    assert counts.load(3) == 2
