@@ -52,8 +52,13 @@ class NodeCounts:
         return sum(cells[w * slots + slot] for w in range(self.workers))
 
     def close(self) -> None:
+        """Unmap the cells and close the memfd (once no worker will be forked again)."""
+        if self.fd < 0:
+            return
         self.cells.release()
         self._map.close()
+        os.close(self.fd)
+        self.fd = -1
 
 
 class SlotBook:

@@ -503,3 +503,4 @@ class WorkerPool:
         """
         retry = self._publisher.stop()
         await self._supervisor.shutdown(grace, release=release, tasks=(retry,))
+        self.counts.close()  # the workers are gone; their own mappings went with them
