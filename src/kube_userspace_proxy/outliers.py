@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 from kube_userspace_proxy import logs
@@ -25,25 +26,29 @@ def endpoint_label(address: Address) -> str:
 
 
 class EjectionRecord:
-    """The node's ejections for /metrics: counted per (service port, endpoint), and the
-    endpoints out now (with when they return)."""
+    """The node's ejections for /metrics, read from the live pools' `Outliers` at scrape
+    time: a service port or an endpoint that goes takes its series with it."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self.totals: dict[tuple[str, str], int] = {}
-        """(service port, endpoint) -> ejections so far."""
-        self._out: dict[tuple[str, str], float] = {}
+    def __init__(self) -> None:
+        self._live: weakref.WeakSet[Outliers] = weakref.WeakSet()
 
-    def ejected(self, name: str, address: Address, until: float) -> None:
-        key = (name, endpoint_label(address))
-        self.totals[key] = self.totals.get(key, 0) + 1
-        self._out[key] = until
+    def add(self, outliers: Outliers) -> None:
+        self._live.add(outliers)
+
+    @property
+    def totals(self) -> dict[tuple[str, str], int]:
+        """(service port, endpoint) -> its ejections so far (endpoints still in the pool)."""
+        out: dict[tuple[str, str], int] = {}
+        for outliers in list(self._live):
+            name = str(outliers.name)
+            for address, times in outliers.ejections.items():
+                key = (name, endpoint_label(address))
+                out[key] = out.get(key, 0) + times
+        return out
 
     def ejected_now(self) -> int:
-        """Endpoints ejected now (their ejection not over)."""
-        now = self._clock()
-        self._out = {k: u for k, u in self._out.items() if u > now}
-        return len(self._out)
+        """Endpoints ejected now, on every service port."""
+        return sum(len(outliers.ejected()) for outliers in list(self._live))
 
 
 ejections = EjectionRecord()
@@ -61,6 +66,7 @@ class Outliers:
     """
 
     __slots__ = (
+        "__weakref__",  # the process's record reads the live ones
         "_clock",
         "_ejections",
         "_probation",
@@ -87,6 +93,7 @@ class Outliers:
         self._ejections: dict[Address, int] = {}
         self._until: dict[Address, float] = {}
         self._probation: set[Address] = set()
+        ejections.add(self)
 
     def failed(self, address: Address, endpoints: int) -> float:
         """A dial to `address` (one of `endpoints` usable ones) failed: the seconds it is
@@ -114,7 +121,6 @@ class Outliers:
         self._until[address] = now + seconds
         del self._streak[address]
         self._probation.discard(address)
-        ejections.ejected(str(self.name), address, now + seconds)
         log.warning(
             "%s: endpoint %s ejected for %gs after %d consecutive failed dials (ejection %d)",
             self.name,
@@ -124,8 +130,13 @@ class Outliers:
             times,
         )
         with contextlib.suppress(RuntimeError):  # no loop (tests): seen when next read
-            asyncio.get_running_loop().call_later(seconds, self.check_returns)
+            asyncio.get_running_loop().call_later(seconds, _check_returns, weakref.ref(self))
         return seconds
+
+    @property
+    def ejections(self) -> dict[Address, int]:
+        """Each endpoint's ejections so far (while it stays in the pool)."""
+        return self._ejections
 
     def succeeded(self, address: Address) -> None:
         """A dial to `address` connected: its run of failures (and its probation) ends."""
@@ -160,3 +171,10 @@ class Outliers:
             for gone in [a for a in table if a not in alive]:
                 del table[gone]
         self._probation &= alive
+
+
+def _check_returns(ref: weakref.ref[Outliers]) -> None:
+    """An ejection's time is up: log the return, unless its pool is gone meanwhile."""
+    outliers = ref()
+    if outliers is not None:
+        outliers.check_returns()

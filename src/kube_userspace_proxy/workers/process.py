@@ -39,7 +39,6 @@ from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, 
 from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.dataplane.tcp import is_listening
 from kube_userspace_proxy.model import (
-    SCHEDULERS,
     Address,
     DialOutcome,
     Protocol,
@@ -48,6 +47,7 @@ from kube_userspace_proxy.model import (
 )
 from kube_userspace_proxy.nodecounts import NodeCounts
 from kube_userspace_proxy.workers import channel, protocol
+from kube_userspace_proxy.workers.nodewide import NodeWide
 from kube_userspace_proxy.workers.protocol import (
     Adopt,
     Adopted,
@@ -70,7 +70,6 @@ from kube_userspace_proxy.workers.protocol import (
     Pong,
     PoolEntry,
     PoolView,
-    Recovered,
     Routes,
     Scheduled,
     Settings,
@@ -145,7 +144,7 @@ class _Pool(EndpointPool):
 
     def _recovered(self, address: Address) -> None:
         super()._recovered(address)
-        self.worker.report_recovered(self.pool_id, address)
+        self.worker.nodewide.report_recovered(self.pool_id, address)
 
     def take(
         self,
@@ -173,15 +172,8 @@ class _Pool(EndpointPool):
             affinity_timeout=timeout,
             local=frozenset(transparency[1]) if transparency[1] else NO_LOCAL,
         )
-        self.take_scheduled(scheduled)
+        self.worker.nodewide.take(self, scheduled)
         return True
-
-    def take_scheduled(self, scheduled: Scheduled) -> None:
-        """Pick as the table says; lc counts in this worker's column of the shared counts."""
-        self.sched = scheduled
-        code, slots = scheduled
-        self.set_scheduler(SCHEDULERS[code] if 0 <= code < len(SCHEDULERS) else "rr")
-        self.share_counts(self.worker.counting(slots), self.worker.index, slots)
 
 
 @dataclasses.dataclass(slots=True)
@@ -201,19 +193,16 @@ class Worker:
         writer: asyncio.StreamWriter,
         *,
         slots: int = 1,
-        counts: NodeCounts | None = None,
     ) -> None:
         self.index = index
         self.slots = slots
-        self.counts = counts
-        """The node's shared active-connection counts (lc); None: this worker's own only."""
-        self._cleared = False
         """How many workers serve (this one included): each starts its round robins at its
         own place, so that their first picks spread over the endpoints."""
         self._reader = reader
         self._writer = writer
         self._served: dict[SocketKey, _Served] = {}
         self._pools: dict[int, _Pool] = {}
+        self.nodewide = NodeWide(None, index, writer, self._pools)  # counts: set by `_main`
         self.addresses = Addresses()
         self._stats: dict[str, ConnStats] = {}
         self._events: list[Membership] = []
@@ -240,7 +229,7 @@ class Worker:
             Become: self._on_become,
             Steer: self._on_steer,
             Penalty: self._on_penalty,
-            Eject: self._on_eject,
+            Eject: self.nodewide.on_eject,
             Collect: self._collect,
             Adopt: self._adopt,
             Export: self._export,
@@ -285,11 +274,7 @@ class Worker:
         """This spare takes the slot of a worker that died; its pools start at the slot's
         place if they have not picked yet."""
         self.index = become.worker
-        self._cleared = False  # a column of its own now: cleared at its first count
-        for pool in self._pools.values():
-            pool.take_slot(self.index, self.slots)
-            if pool.sched[1]:
-                pool.take_scheduled(pool.sched)
+        self.nodewide.become(self.index, self.slots)
 
     async def _on_steer(self, steer: Steer) -> None:
         self.steer(steer.routes)
@@ -300,12 +285,6 @@ class Worker:
         if pool is not None:
             EndpointPool.dial_failed(pool, penalty.address)
 
-    async def _on_eject(self, eject: Eject) -> None:
-        """The control process ejected this endpoint: skip it for the time it says."""
-        pool = self._pools.get(eject.pool_id)
-        if pool is not None:
-            pool.penalize(eject.address, eject.seconds)
-
     async def _on_drain(self, drain: Drain) -> None:
         await self.drain(drain.grace, release=drain.release)
         protocol.send(self._writer, Drained(drain.seq, self.index))
@@ -314,21 +293,6 @@ class Worker:
 
     def report_penalty(self, pool_id: int, address: Address) -> None:
         protocol.send(self._writer, Penalty(pool_id, address))
-
-    def report_recovered(self, pool_id: int, address: Address) -> None:
-        protocol.send(self._writer, Recovered(pool_id, address))
-
-    def counting(self, slots: tuple[int, ...]) -> NodeCounts | None:
-        """The shared counts for a pool with `slots` (None: none, or this worker has no
-        column); this worker's column is cleared at its first use (its predecessor in the
-        slot may have died with connections counted)."""
-        counts = self.counts
-        if counts is None or not slots or not 0 <= self.index < counts.workers:
-            return None
-        if not self._cleared:
-            counts.clear_column(self.index)
-            self._cleared = True
-        return counts
 
     # ---- the table ---------------------------------------------------------------------------
 
@@ -635,7 +599,9 @@ async def _main(args: argparse.Namespace) -> int:
             counts = NodeCounts(args.counts_fd, args.workers)
         except (OSError, ValueError) as exc:
             log.error("worker %d: no shared counts (lc counts per worker): %s", args.index, exc)
-    return await Worker(args.index, reader, writer, slots=args.workers, counts=counts).run()
+    worker = Worker(args.index, reader, writer, slots=args.workers)
+    worker.nodewide.counts = counts
+    return await worker.run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
