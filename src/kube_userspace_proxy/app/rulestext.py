@@ -150,7 +150,7 @@ SCHEDULER_TEXT = {
     "lc": "least connections: each new connection to an endpoint with the fewest open on"
     " this node (all workers), ties round robin",
     "sh": "source hashing (Maglev): a client address to one endpoint, from every worker and"
-    " across restarts; when an endpoint goes, only its clients move",
+    " across restarts; when an endpoint goes, its clients move and few others (~1 %)",
 }
 
 
