@@ -352,3 +352,27 @@ def test_a_workers_column_clears_without_touching_the_others() -> None:
     assert counts.load(3) == 6
     counts.clear_column(0)  # worker 0 died; its successor starts from nothing
     assert counts.load(3) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 40),
+    st.integers(1, 6),
+    st.lists(st.tuples(st.integers(0, 39), st.booleans(), st.floats(0, 40)), max_size=200),
+)
+def test_ejections_never_pass_the_cap_nor_the_panic_threshold(
+    count: int, failures: int, dials: list[tuple[int, bool, float]]
+) -> None:
+    clock = Clock()
+    outliers = Outliers(NAME, failures=failures, base=30.0, clock=clock)
+    addresses = [e.address for e in eps(count)]
+    for which, failed, later in dials:
+        clock.now += later
+        address = addresses[which % count]
+        if failed:
+            outliers.failed(address, count)
+        else:
+            outliers.succeeded(address)
+        out = len(outliers.ejected())
+        assert out <= max(1, count // 10)
+        assert out == 0 or count - out >= count / 2
