@@ -44,7 +44,14 @@ class LocalDataPlane:
         return pool.affinity_count(), pool.affinity_entries(PINS_SHOWN)
 
     def balancer_view(self, pool: EndpointPool) -> BalancerView:
-        return BalancerView(pool.tallies(), [(None, pool.recent_picks())], pool.penalized())
+        ejected = pool.outliers.ejected() if pool.outliers is not None else []
+        return BalancerView(
+            pool.tallies(),
+            [(None, pool.recent_picks())],
+            pool.penalized(),
+            scheduler=pool.scheduler,
+            ejected=ejected,
+        )
 
 
 _local: DataPlane[EndpointPool] = LocalDataPlane()  # conformance: LocalDataPlane is a DataPlane
