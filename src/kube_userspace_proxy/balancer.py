@@ -1,8 +1,10 @@
-"""Endpoint choice per service port: round robin, ClientIP affinity, penalties (which endpoints
-are usable at all is `topology`'s)."""
+"""Endpoint choice per service port: the scheduler (round robin, least connections node-wide,
+Maglev source hashing), ClientIP affinity, penalties and passive outlier ejection (which
+endpoints are usable at all is `topology`'s)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from array import array
@@ -18,6 +20,31 @@ from kube_userspace_proxy.model import (
     ServicePortName,
     SourcePolicy,
 )
+from kube_userspace_proxy.outliers import Outliers, ejections, endpoint_label
+from kube_userspace_proxy.schedulers import (
+    ALL_PENALIZED,
+    PICK_KINDS,
+    PINNED,
+    RETRY,
+    ROUND_ROBIN,
+    SCHEDULED_KINDS,
+    EndpointTally,
+    Scheduling,
+    SharedTally,
+    maglev_table,
+)
+
+__all__ = [
+    "PICK_KINDS",
+    "SCHEDULED_KINDS",
+    "EndpointPool",
+    "EndpointTally",
+    "Outliers",
+    "SharedTally",
+    "ejections",
+    "endpoint_label",
+    "maglev_table",
+]
 
 log = logs.get(__name__)
 
@@ -56,9 +83,6 @@ _NO_RING: Any = ()  # a pool's ring before its first pick
 _NO_ENTRIES: dict[Any, Any] = {}
 NO_LOCAL: frozenset[Address] = frozenset()
 """No endpoint runs on this node (`EndpointPool.update`'s `local`): one object for every pool."""
-# Why an endpoint was picked (kept as ints in the ring; named only when viewed).
-ROUND_ROBIN, PINNED, RETRY, ALL_PENALIZED = 0, 1, 2, 3
-PICK_KINDS = ("round-robin", "affinity", "retry", "all-penalized")
 
 
 def _ring(names: int) -> bytearray | array[int]:
@@ -79,6 +103,10 @@ class BalancerView:
     """Per process (worker index, None for this process): its last picks, oldest first."""
     penalized: list[tuple[Address, float]]
     """Endpoints skipped after a failed dial: (endpoint, seconds left)."""
+    scheduler: str = "rr"
+    """The pool's scheduler (one of `model.SCHEDULERS`)."""
+    ejected: list[tuple[Address, float]] = dataclasses.field(default_factory=list)
+    """Endpoints ejected after consecutive failed dials: (endpoint, seconds left)."""
 
 
 class PoolView(Protocol):
@@ -108,36 +136,16 @@ class PoolView(Protocol):
         """The transparent-dialing inputs the workers need (--preserve-source-ip)."""
         ...
 
-
-class EndpointTally:
-    """Counters of one endpoint in one pool, plain ints the data plane bumps (see Picker).
-
-    TCP: `active` open connections, `total` connections that reached it; UDP: sessions.
-    `bytes_in` client -> endpoint, `bytes_out` endpoint -> client; `dial_failures` its
-    failed dials. Kept across endpoint updates while the address stays. `local`: the
-    endpoint runs on this node (its replies leave through this node). Its pool knows its
-    address (a slot less: 80 B a tally, 96 with it).
-    """
-
-    __slots__ = ("active", "bytes_in", "bytes_out", "dial_failures", "local", "total")
-
-    def __init__(self) -> None:
-        self.active = 0
-        self.total = 0
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.dial_failures = 0
-        self.local = False
-
-    def values(self) -> tuple[int, int, int, int, int]:
-        """(active, total, bytes_in, bytes_out, dial_failures)."""
-        return (self.active, self.total, self.bytes_in, self.bytes_out, self.dial_failures)
+    @property
+    def scheduled(self) -> tuple[int, tuple[int, ...]]:
+        """How the workers pick: (scheduler code, lc's shared-count slot per endpoint)."""
+        ...
 
 
 _NOBODY = EndpointTally()  # `picked` before any pick: a sink nobody reads
 
 
-class EndpointPool:
+class EndpointPool(Scheduling):
     """Chooses an endpoint for each new connection of one service port (one traffic path).
 
     Round robin over the usable endpoints; with ClientIP affinity a client keeps its endpoint
@@ -153,13 +161,9 @@ class EndpointPool:
 
     __slots__ = (
         "__weakref__",  # the worker pool's publisher keys its pools weakly
-        "_addresses",
-        "_clock",
-        "_cursor",
         "_fresh_at",
         "_index_of",
         "_local",
-        "_penalties",
         "_picked_from",
         "_picks",
         "_pin_used",
@@ -168,7 +172,6 @@ class EndpointPool:
         "_slot",
         "_slots",
         "_sweep_at",
-        "_tallies",
         "_timeout",
         "max_affinity_entries",
         "name",
@@ -190,6 +193,7 @@ class EndpointPool:
         slots: int = 1,
         source: SourcePolicy | None = None,
     ) -> None:
+        super().__init__()
         self.name = name
         self.penalty_seconds = penalty_seconds
         self.max_affinity_entries = max(1, max_affinity_entries)
@@ -305,10 +309,12 @@ class EndpointPool:
         return [(a, t.values()) for a, t in zip(self._addresses, self._tallies, strict=True)]
 
     def recent_picks(self) -> list[tuple[Address, str]]:
-        """The last picks, oldest first: (endpoint, why: one of PICK_KINDS)."""
+        """The last picks, oldest first: (endpoint, why: one of PICK_KINDS, the first named
+        after the scheduler: `SCHEDULED_KINDS`)."""
         ring, names, n = self._recent, self._picked_from, self._picks
+        kinds = (SCHEDULED_KINDS[self._scheduler], *PICK_KINDS[1:])
         picks = (ring[i & _RECENT_MASK] for i in range(max(0, n - RECENT_PICKS), n))
-        return [(names[e >> _KIND_BITS], PICK_KINDS[e & _KIND_MASK]) for e in picks]
+        return [(names[e >> _KIND_BITS], kinds[e & _KIND_MASK]) for e in picks]
 
     def penalized(self) -> list[tuple[Address, float]]:
         """Endpoints skipped after a failed dial: (endpoint, seconds left)."""
@@ -354,6 +360,7 @@ class EndpointPool:
         old = self._addresses
         self._addresses = addresses
         self._index_of = _NO_ENTRIES
+        self._addresses_changed(addresses)
         if self._recent is not _NO_RING:
             self._renew(old, addresses)
         if self._picks == self._fresh_at:
@@ -374,8 +381,7 @@ class EndpointPool:
     def _renew(self, old: tuple[Address, ...], addresses: tuple[Address, ...]) -> None:
         """The tallies (kept while the address stays) and the ring of a pool in use for its new
         `addresses` (after `old`): entries renumbered, the endpoints gone after the usable."""
-        kept = dict(zip(old, self._tallies, strict=True))
-        self._tallies = tuple(kept.get(a) or EndpointTally() for a in addresses)
+        self._tallies = self._tallied(addresses, self._tallies, old)
         for address, tally in zip(addresses, self._tallies, strict=True):
             tally.local = address in self._local
         where = {a: i for i, a in enumerate(addresses)}
@@ -405,21 +411,16 @@ class EndpointPool:
         if self._picks == self._fresh_at:
             self._cursor = self._start(len(self._addresses))
 
-    def dial_succeeded(self, address: Address) -> None:
-        """A dial to `address` connected (the data plane reports every one)."""
-
     def dial_failed(self, address: Address, outcome: int = DialOutcome.REFUSED) -> None:
-        """Skip `address` for `penalty_seconds` (its dial just failed, as `outcome` says)."""
+        """Skip `address` for `penalty_seconds` (its dial just failed, as `outcome` says);
+        with outlier ejection here, count it and maybe eject it for longer."""
         if self._recent is _NO_RING:
             self._start_ring()
         index = self._index(address)
         if index is None:
             return
         self._tallies[index].dial_failures += 1
-        if self.penalty_seconds > 0:
-            if self._penalties is _NO_ENTRIES:
-                self._penalties = {}
-            self._penalties[address] = self._clock() + self.penalty_seconds
+        self.penalize(address, max(self._suspect(address), self.penalty_seconds))
 
     def pick(self, client_ip: str, *, retry: bool = False) -> Address | None:
         """The endpoint for a new connection from `client_ip`; None when there is none.
@@ -432,7 +433,7 @@ class EndpointPool:
         if not count:
             return None
         timeout = self._timeout
-        if timeout is None and not self._penalties:
+        if timeout is None and not self._penalties and not self._scheduler:
             # Fast path: plain round robin, no clock read.
             cursor = self._cursor
             self._cursor = cursor + 1 if cursor + 1 < count else 0
@@ -457,7 +458,7 @@ class EndpointPool:
                 self._pin_used[client_ip] = now
                 self._record(index, PINNED)
                 return pinned
-        address = self._next(addresses, count, now, retry)
+        address = self._next(addresses, count, now, retry, client_ip)
         if timeout is not None:
             self._pin(client_ip, address, now, timeout)
         return address
@@ -483,7 +484,11 @@ class EndpointPool:
         """The pool's first use: its ring of recent picks and its endpoints' tallies."""
         self._renew((), self._addresses)
 
-    def _next(self, addresses: tuple[Address, ...], count: int, now: float, retry: bool) -> Address:
+    def _next(
+        self, addresses: tuple[Address, ...], count: int, now: float, retry: bool, client_ip: str
+    ) -> Address:
+        if self._scheduler:  # lc or sh
+            return self._scheduled(addresses, count, now, retry, client_ip)
         cursor = self._cursor
         first = cursor
         for _ in range(count):

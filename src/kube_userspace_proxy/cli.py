@@ -113,7 +113,6 @@ IGNORED_FLAGS: dict[str, str] = {
             "--iptables-masquerade-bit",
             "--ipvs-sync-period",
             "--ipvs-min-sync-period",
-            "--ipvs-scheduler",
             "--ipvs-exclude-cidrs",
             "--ipvs-tcp-timeout",
             "--ipvs-tcpfin-timeout",

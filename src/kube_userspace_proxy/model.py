@@ -45,6 +45,80 @@ class DialOutcome(enum.IntEnum):
     """ICMP host/network unreachable, or any other error of the dial itself."""
 
 
+SCHEDULERS = ("rr", "lc", "sh")
+"""The schedulers the balancer implements: round robin (the default), least connections
+node-wide, source hashing (Maglev-style consistent hashing of the client address)."""
+SCHEDULER_ALIASES: Mapping[str, str] = MappingProxyType(
+    {
+        "wrr": "rr",  # every endpoint weighs the same in Kubernetes: weighted rr is rr
+        "wlc": "lc",  # likewise weighted least-connection
+        "sed": "lc",  # shortest expected delay: fewest connections, weights all 1
+        "nq": "lc",  # never queue: an idle endpoint first, else the shortest expected delay
+        "lblc": "lc",  # locality-based least-connection: one destination (the VIP) per port
+        "lblcr": "lc",
+        "dh": "sh",  # destination hashing: the nearest stateless hash here is the source's
+        "mh": "sh",  # Maglev hashing of the source: what `sh` is here
+    }
+)
+"""IPVS scheduler names kube-proxy accepted, each mapped to the nearest of `SCHEDULERS`."""
+
+
+def scheduler_named(value: str) -> tuple[str, str | None]:
+    """The scheduler `value` names and a problem to warn about once (None: none): an IPVS
+    name mapped to the nearest one implemented, or an unknown value (then `rr`)."""
+    name = value.strip().lower()
+    if name in SCHEDULERS:
+        return name, None
+    if name == "":
+        return "rr", None
+    mapped = SCHEDULER_ALIASES.get(name)
+    if mapped is not None:
+        return mapped, f"IPVS scheduler {value!r} is served as {mapped!r}, the nearest one here"
+    return "rr", f"unknown scheduler {value!r} (rr, lc, sh or an IPVS name); using rr"
+
+
+@dataclass(frozen=True, slots=True)
+class Balancing:
+    """How one service port's endpoints are chosen (`scheduler`) and passively ejected: after
+    `outlier_failures` consecutive failed dials (0: never) for `outlier_base_ejection` seconds
+    times the ejections so far (at most `MAX_EJECTION_SECONDS`)."""
+
+    scheduler: str = "rr"
+    outlier_failures: int = 5
+    outlier_base_ejection: float = 30.0
+
+
+DEFAULT_BALANCING = Balancing()
+MAX_OUTLIER_FAILURES = 1000
+"""The largest consecutive-failure threshold taken (a larger one is a mistake, not a wish)."""
+MAX_EJECTION_SECONDS = 300.0
+"""The longest an endpoint stays ejected, however often it was ejected before (Envoy's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BalancingOverrides:
+    """What a Service's annotations set of its `Balancing` (None: the proxy's default)."""
+
+    scheduler: str | None = None
+    outlier_failures: int | None = None
+    outlier_base_ejection: float | None = None
+
+    def over(self, defaults: Balancing) -> Balancing:
+        """`defaults` with these overrides applied."""
+        if self == NO_OVERRIDES:
+            return defaults
+        return Balancing(
+            defaults.scheduler if self.scheduler is None else self.scheduler,
+            defaults.outlier_failures if self.outlier_failures is None else self.outlier_failures,
+            defaults.outlier_base_ejection
+            if self.outlier_base_ejection is None
+            else self.outlier_base_ejection,
+        )
+
+
+NO_OVERRIDES = BalancingOverrides()
+
+
 class Path(enum.StrEnum):
     """Which traffic a proxy port serves; traffic policies are per path.
 
@@ -88,6 +162,8 @@ class ServicePortInfo:
     """spec.healthCheckNodePort of a LoadBalancer Service with externalTrafficPolicy Local."""
     proxy_protocol: int = 0
     """PROXY protocol header version sent to the backend first (1 or 2); 0: none (TCP only)."""
+    balancing: BalancingOverrides = NO_OVERRIDES
+    """The scheduler and outlier-ejection settings the Service's annotations set."""
 
     @property
     def protocol(self) -> Protocol:

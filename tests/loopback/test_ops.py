@@ -322,6 +322,8 @@ async def test_metrics_are_prometheus_text_even_when_openmetrics_is_asked_for(op
 
 PROCESS_WIDE = (
     "kube_userspace_proxy_forbidden_addresses",
+    "kube_userspace_proxy_endpoint_ejections",  # and endpoints_ejected: per endpoint, node-wide
+    "kube_userspace_proxy_endpoints_ejected",
     "kube_userspace_proxy_event_loop_lag_seconds",  # and its _created
     "kube_userspace_proxy_ops_",  # the ops sites' connection bounds and counters
 )

@@ -156,3 +156,23 @@ def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
 def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="No such file"):
         read_config_file(tmp_path / "absent.yaml")
+
+
+def test_an_ipvs_mode_configmap_keeps_its_scheduler() -> None:
+    file_values = config_from_document(
+        {"kind": "KubeProxyConfiguration", "mode": "ipvs", "ipvs": {"scheduler": "lc"}}
+    )
+    assert build_config(file_values, {}).balancing.scheduler == "lc"
+
+
+def test_the_scheduler_flag_wins_over_the_file() -> None:
+    file_values = config_from_document(
+        {"kind": "KubeProxyConfiguration", "ipvs": {"scheduler": "lc"}}
+    )
+    assert build_config(file_values, {"scheduler": "sh"}).scheduler == "sh"
+
+
+def test_ejection_is_on_by_default_with_envoys_numbers() -> None:
+    balancing = ProxyConfig().balancing
+    assert (balancing.scheduler, balancing.outlier_failures) == ("rr", 5)
+    assert balancing.outlier_base_ejection == 30.0

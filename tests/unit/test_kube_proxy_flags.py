@@ -111,8 +111,8 @@ def test_kubeadms_daemonset_command_line_parses_unchanged(tmp_path: Path) -> Non
     [
         (["--masquerade-all"], "true"),
         (["--masquerade-all=false"], "false"),
-        (["--ipvs-scheduler=rr"], "rr"),
-        (["--ipvs-scheduler", "rr"], "rr"),
+        (["--ipvs-sync-period=30s"], "30s"),
+        (["--ipvs-sync-period", "30s"], "30s"),
     ],
 )
 def test_an_ignored_flag_gets_one_warning_naming_it(
@@ -124,6 +124,35 @@ def test_an_ignored_flag_gets_one_warning_naming_it(
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.startswith(argv[0].split("=")[0] + " is a kube-proxy flag")
     assert getattr(args, cli._ignored_dest(argv[0].split("=")[0])) == expected
+
+
+@pytest.mark.parametrize(("value", "scheduler"), [("lc", "lc"), ("sh", "sh"), ("wlc", "lc")])
+def test_ipvs_scheduler_flag_sets_the_default_scheduler(value: str, scheduler: str) -> None:
+    config = cli.parse_config(parse("--manifests", "x", f"--ipvs-scheduler={value}"))  # type: ignore[arg-type]
+    assert config.scheduler == scheduler
+    assert config.balancing.scheduler == scheduler
+
+
+def test_an_unknown_ipvs_scheduler_is_rr_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        config = cli.parse_config(parse("--manifests", "x", "--ipvs-scheduler=bogus"))  # type: ignore[arg-type]
+    assert config.scheduler == "rr"
+    warnings = [r.getMessage() for r in caplog.records if "'bogus'" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_outlier_flags_set_the_ejection_defaults() -> None:
+    config = cli.parse_config(
+        parse(  # type: ignore[arg-type]
+            "--manifests",
+            "x",
+            "--outlier-consecutive-failures=3",
+            "--outlier-base-ejection-time=10s",
+        )
+    )
+    assert (config.balancing.outlier_failures, config.balancing.outlier_base_ejection) == (3, 10.0)
 
 
 def test_another_proxy_mode_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -197,7 +226,8 @@ def test_help_separates_applied_from_ignored_flags(capsys: pytest.CaptureFixture
         "kube-proxy flags accepted and ignored"
     )
     assert "--oom-score-adj" in applied and "--hostname-override" in applied
-    assert "--ipvs-scheduler" in ignored and "--oom-score-adj" not in ignored
+    assert "--ipvs-sync-period" in ignored and "--oom-score-adj" not in ignored
+    assert "--ipvs-scheduler" in applied
     # Only kube-proxy's own flags are listed as kube-proxy flags.
     assert {f for f in applied.split() if f.startswith("--")} <= set(KUBE_PROXY_FLAGS)
     listed = set(applied.split()) | set(ignored.split())

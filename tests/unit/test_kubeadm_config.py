@@ -145,12 +145,12 @@ def test_another_mode_is_one_warning_saying_this_is_userspace(
 
 
 def test_fields_that_mean_nothing_here_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    doc = {"ipvs": {"scheduler": "rr"}, "conntrack": {"maxPerCore": 0}, "enableProfiling": True}
+    doc = {"ipvs": {"strictARP": True}, "conntrack": {"maxPerCore": 0}, "enableProfiling": True}
     with caplog.at_level(logging.INFO):
         config_from_document(doc, source="f.yaml")
     [line] = [r.getMessage() for r in caplog.records]
     assert line.endswith(
-        "not applicable in userspace mode, ignored: enableProfiling, ipvs.scheduler"
+        "not applicable in userspace mode, ignored: enableProfiling, ipvs.strictARP"
     )
 
 

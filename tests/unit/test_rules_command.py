@@ -111,3 +111,47 @@ def test_rules_without_a_cluster_or_manifests_names_manifests(
     code, out, err = rules([], capsys)
     assert code == 2 and out == ""
     assert "kube-userspace-proxy rules --manifests" in err
+
+
+def _service(annotations: dict[str, str]) -> dict[str, object]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "db", "namespace": "data", "annotations": annotations},
+        "spec": {"clusterIP": "10.96.0.40", "ports": [{"name": "sql", "port": 5432}]},
+    }
+
+
+def test_rules_say_each_services_scheduler_and_where_it_comes_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = write(tmp_path / "db.yaml", [_service({})])
+    _, out, _ = rules(["--manifests", manifest, "--ipvs-scheduler", "lc"], capsys)
+    assert "#   scheduler lc (--ipvs-scheduler): least connections" in out
+    manifest = write(
+        tmp_path / "db.yaml",
+        [
+            _service(
+                {
+                    "kube-userspace-proxy.io/scheduler": "mh",
+                    "kube-userspace-proxy.io/outlier-consecutive-failures": "0",
+                }
+            )
+        ],
+    )
+    _, out, err = rules(["--manifests", manifest], capsys)
+    assert "#   scheduler sh (annotation): source hashing (Maglev)" in out
+    assert "#   outlier ejection: off" in out
+    assert "Service data/db: annotation kube-userspace-proxy.io/scheduler: IPVS scheduler 'mh'" in (
+        err
+    )
+
+
+def test_a_bad_ejection_annotation_is_one_warning_and_the_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    annotations = {"kube-userspace-proxy.io/outlier-base-ejection-time": "soon"}
+    manifest = write(tmp_path / "db.yaml", [_service(annotations)])
+    _, out, err = rules(["--manifests", manifest], capsys)
+    assert "out for 30s x its ejections" in out
+    assert err.count("outlier-base-ejection-time: 'soon' is not a duration") == 1

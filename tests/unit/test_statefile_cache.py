@@ -12,7 +12,13 @@ from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
-from kube_userspace_proxy.model import Endpoint, ServicePortInfo, ServicePortName, Snapshot
+from kube_userspace_proxy.model import (
+    BalancingOverrides,
+    Endpoint,
+    ServicePortInfo,
+    ServicePortName,
+    Snapshot,
+)
 from kube_userspace_proxy.restart import statefile
 
 
@@ -187,6 +193,7 @@ def test_an_entry_leaves_out_the_fields_at_their_defaults_and_reads_back_whole()
             external_traffic_local=True,
             health_check_node_port=32000,
             proxy_protocol=2,
+            balancing=BalancingOverrides("lc", 3, 10.0),
         ),
     }
     snapshot = Snapshot(
@@ -205,7 +212,9 @@ def test_an_entry_leaves_out_the_fields_at_their_defaults_and_reads_back_whole()
     for entry in document["servicePorts"]:
         name = ServicePortName(*entry["name"][:3])
         entry["info"] = {
-            f.name: list(v) if isinstance(v := getattr(infos[name], f.name), tuple) else v
+            f.name: list(v)
+            if isinstance(v := statefile._plain(getattr(infos[name], f.name)), tuple)
+            else v
             for f in dataclasses.fields(ServicePortInfo)
             if f.name != "name"
         }

@@ -22,6 +22,7 @@ from kube_userspace_proxy.workers.protocol import (
     Delta,
     Drain,
     Drained,
+    Eject,
     Export,
     Exported,
     Hello,
@@ -31,6 +32,7 @@ from kube_userspace_proxy.workers.protocol import (
     Ping,
     Pong,
     PoolView,
+    Recovered,
     Settings,
     Steer,
     Table,
@@ -44,6 +46,7 @@ POOL = (
     10800.0,
     0,
     (("10.244.1.0/24",), (("10.1.0.1", 8080),)),
+    (1, (0, 5)),  # lc, each endpoint's slot in the shared counts
 )
 SETTINGS = Settings(0.25, 15.0)
 VIEW = PoolView(
@@ -61,6 +64,8 @@ EVERY_MESSAGE: list[Message] = [
     Ping(3),
     Become(1),
     Penalty(7, ("10.1.0.2", 8080)),
+    Eject(7, ("10.1.0.2", 8080), 30.0),
+    Recovered(7, ("10.1.0.2", 8080)),
     Collect(4, True),
     Adopt(5, "/run/kube-userspace-proxy/.handover-1-0.sock"),
     Export(6, "/run/kube-userspace-proxy/.handover-1-0.sock"),

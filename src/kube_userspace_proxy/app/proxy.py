@@ -123,6 +123,7 @@ class Proxy:
                 node_port_addresses=self._node_port_addresses,
                 dataplane=local,
             )
+        self.proxier.balancing = config.balancing
         self.metrics = ProxyMetrics(
             self.proxier.port_stats,
             self.proxier.open_ports,

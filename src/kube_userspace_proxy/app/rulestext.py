@@ -14,7 +14,15 @@ from kube_userspace_proxy.cluster.objects import NO_CLUSTER_IP
 from kube_userspace_proxy.cluster.sources.manifests import ManifestSource
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.config.settings import ProxyConfig
-from kube_userspace_proxy.model import Endpoint, ProxiedPort, Snapshot
+from kube_userspace_proxy.model import (
+    DEFAULT_BALANCING,
+    MAX_EJECTION_SECONDS,
+    Balancing,
+    Endpoint,
+    ProxiedPort,
+    ServicePortInfo,
+    Snapshot,
+)
 from kube_userspace_proxy.portals import explain
 from kube_userspace_proxy.topology import topology_mode, unused_endpoints, usable_endpoints
 
@@ -55,7 +63,7 @@ async def rules_text(config: ProxyConfig) -> str:
         guard=config.guard_proxy_ports,
     ):
         lines.append(f"{rule}\n    # {why}")
-    lines += decided_by_the_proxy(ports, snapshot, proxy.state)
+    lines += decided_by_the_proxy(ports, snapshot, proxy.state, config.balancing)
     others = source.other_kinds() if isinstance(source, ManifestSource) else []
     lines += not_served(proxy.state, [f"{kind} ({path})" for path, kind in others])
     return "\n".join(lines)
@@ -75,7 +83,10 @@ def example_ports(snapshot: Snapshot, config: ProxyConfig) -> list[ProxiedPort]:
 
 
 def decided_by_the_proxy(
-    ports: Sequence[ProxiedPort], snapshot: Snapshot, state: ClusterState
+    ports: Sequence[ProxiedPort],
+    snapshot: Snapshot,
+    state: ClusterState,
+    defaults: Balancing = DEFAULT_BALANCING,
 ) -> list[str]:
     """Per service port: how the proxy picks an endpoint, the ones it uses and the ones it
     does not, with the reason. No rule decides any of it: the rules only reach the proxy."""
@@ -84,9 +95,9 @@ def decided_by_the_proxy(
     lines = [
         "#",
         "# Decided in the proxy, not by a rule: the rules above send each connection to a proxy",
-        "# port; the proxy picks its endpoint (round robin, or the client's endpoint under",
-        "# sessionAffinity ClientIP) among the endpoints readiness, traffic policy and topology",
-        "# hints leave it:",
+        "# port; the proxy picks its endpoint (with the Service's scheduler, or the client's",
+        "# endpoint under sessionAffinity ClientIP) among the endpoints readiness, traffic",
+        "# policy and topology hints leave it, less those ejected after failed dials:",
     ]
     node, zone = snapshot.node_name, snapshot.node_zone
     for port in ports:
@@ -98,13 +109,12 @@ def decided_by_the_proxy(
             f"# {info.name}: {info.protocol} {ips} port {info.port} -> proxy port "
             f"{port.cluster_port}{external}"
         )
+        lines += _balancing_lines(info, defaults)
         if info.client_ip_affinity:
             lines.append(
                 f"#   sessionAffinity ClientIP: a client keeps its endpoint for "
-                f"{info.affinity_timeout_seconds}s after its last connection"
+                f"{info.affinity_timeout_seconds}s after its last connection (over the scheduler)"
             )
-        else:
-            lines.append("#   round robin: each new connection (UDP: client) to the next endpoint")
         paths = [("", info.internal_traffic_local)]
         if info.paths_differ:
             paths = [
@@ -132,6 +142,34 @@ def decided_by_the_proxy(
                 f"#   no EndpointSlice names Service {info.name.namespace}/{info.name.name}: "
                 "in a cluster its controller writes them; with --manifests, write them yourself"
             )
+    return lines
+
+
+SCHEDULER_TEXT = {
+    "rr": "round robin: each new connection (UDP: client) to the next endpoint",
+    "lc": "least connections: each new connection to an endpoint with the fewest open on"
+    " this node (all workers), ties round robin",
+    "sh": "source hashing (Maglev): a client address to one endpoint, from every worker and"
+    " across restarts; when an endpoint goes, its clients move and few others (~1 %)",
+}
+
+
+def _balancing_lines(info: ServicePortInfo, defaults: Balancing) -> list[str]:
+    """The scheduler and outlier ejection of one service port, and where each comes from."""
+    overrides = info.balancing
+    balancing = overrides.over(defaults)
+    where = "annotation" if overrides.scheduler is not None else "--ipvs-scheduler"
+    lines = [
+        f"#   scheduler {balancing.scheduler} ({where}): {SCHEDULER_TEXT[balancing.scheduler]}"
+    ]
+    if balancing.outlier_failures <= 0:
+        lines.append("#   outlier ejection: off")
+    else:
+        lines.append(
+            f"#   outlier ejection: after {balancing.outlier_failures} consecutive failed dials"
+            f" an endpoint is out for {balancing.outlier_base_ejection:g}s x its ejections"
+            f" (at most {MAX_EJECTION_SECONDS:g}s; max(1, 10%) of the endpoints at once)"
+        )
     return lines
 
 

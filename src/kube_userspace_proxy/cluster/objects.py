@@ -20,10 +20,15 @@ from typing import Any, TypeVar
 from kube_userspace_proxy import addresses, logs
 from kube_userspace_proxy.model import (
     DEFAULT_AFFINITY_TIMEOUT_SECONDS,
+    MAX_EJECTION_SECONDS,
+    MAX_OUTLIER_FAILURES,
+    NO_OVERRIDES,
+    BalancingOverrides,
     Endpoint,
     Protocol,
     ServicePortInfo,
     ServicePortName,
+    scheduler_named,
 )
 
 log = logs.get(__name__)
@@ -36,6 +41,11 @@ LABEL_SERVICE_NAME = "kubernetes.io/service-name"
 ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 ANNOTATION_PROXY_PROTOCOL = "kube-userspace-proxy.io/proxy-protocol"
 PROXY_PROTOCOL_VERSIONS = {"v1": 1, "v2": 2}
+ANNOTATION_SCHEDULER = "kube-userspace-proxy.io/scheduler"
+ANNOTATION_OUTLIER_FAILURES = "kube-userspace-proxy.io/outlier-consecutive-failures"
+ANNOTATION_OUTLIER_BASE_EJECTION = "kube-userspace-proxy.io/outlier-base-ejection-time"
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
 LABEL_TOPOLOGY_ZONE = "topology.kubernetes.io/zone"
 _IP_MODES = frozenset({"VIP", "Proxy"})
@@ -261,6 +271,8 @@ def parse_service(
     dns_label(name, "metadata.name")  # a Service name is a label, not a subdomain
     spec = _mapping(obj, "spec", "")
     proxy_protocol, problems = _proxy_protocol(_mapping(obj, "metadata", ""))
+    balancing, balancing_problems = balancing_annotations(_mapping(obj, "metadata", ""))
+    problems += balancing_problems
     kind = _field(spec, "type", str, "spec.", "ClusterIP")
     raw_ips = _field(spec, "clusterIPs", list, "spec.", [])
     if not raw_ips:
@@ -354,6 +366,7 @@ def parse_service(
                 external_traffic_local=external_local,
                 health_check_node_port=health_port,
                 proxy_protocol=proxy_protocol if protocol == "TCP" else 0,
+                balancing=balancing,
             )
         )
     if proxy_protocol and any(i.protocol is Protocol.UDP for i in infos):
@@ -374,6 +387,63 @@ def _proxy_protocol(meta: Mapping[str, Any]) -> tuple[int, tuple[str, ...]]:
             " proxying without a PROXY protocol header",
         )
     return version, ()
+
+
+def balancing_annotations(meta: Mapping[str, Any]) -> tuple[BalancingOverrides, tuple[str, ...]]:
+    """The scheduler and outlier settings a Service's annotations set, and the problems with
+    them (each: the annotation, its value, and that the default is used)."""
+    annotations = meta.get("annotations")
+    if not isinstance(annotations, Mapping):
+        return NO_OVERRIDES, ()
+    problems: list[str] = []
+    scheduler: str | None = None
+    failures: int | None = None
+    seconds: float | None = None
+    if ANNOTATION_SCHEDULER in annotations:
+        value = annotations[ANNOTATION_SCHEDULER]
+        scheduler, problem = scheduler_named(value if isinstance(value, str) else repr(value))
+        if problem is not None:
+            problems.append(f"annotation {ANNOTATION_SCHEDULER}: {problem}")
+    if ANNOTATION_OUTLIER_FAILURES in annotations:
+        value = annotations[ANNOTATION_OUTLIER_FAILURES]
+        text = value.strip() if isinstance(value, str) else ""
+        if text.isdigit() and int(text) <= MAX_OUTLIER_FAILURES:
+            failures = int(text)
+        else:
+            problems.append(
+                f"annotation {ANNOTATION_OUTLIER_FAILURES}: {value!r} is not a whole number"
+                f" from 0 to {MAX_OUTLIER_FAILURES}; using the proxy's default"
+            )
+    if ANNOTATION_OUTLIER_BASE_EJECTION in annotations:
+        value = annotations[ANNOTATION_OUTLIER_BASE_EJECTION]
+        seconds = _seconds(value)
+        if seconds is None or not 0 < seconds <= MAX_EJECTION_SECONDS:
+            problems.append(
+                f"annotation {ANNOTATION_OUTLIER_BASE_EJECTION}: {value!r} is not a duration"
+                f" from 1ms to {MAX_EJECTION_SECONDS:g}s (e.g. 30s); using the proxy's default"
+            )
+            seconds = None
+    if scheduler is None and failures is None and seconds is None:
+        return NO_OVERRIDES, tuple(problems)
+    return BalancingOverrides(scheduler, failures, seconds), tuple(problems)
+
+
+def _seconds(value: Any) -> float | None:
+    """A Go duration (`30s`, `1m30s`, `500ms`) or a bare number of seconds; None if neither."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    total, pos = 0.0, 0
+    for match in _DURATION_PART.finditer(text):
+        if match.start() != pos:
+            return None
+        total += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+        pos = match.end()
+    return total if pos and pos == len(text) else None
 
 
 def _policy(spec: Mapping[str, Any], key: str) -> bool:

@@ -214,6 +214,17 @@ RUN_FIELDS: tuple[Field, ...] = (
     Field("--preserve-source-ip", "preserve_source_ip", "bool"),
     Field("--transparent-mark", "transparent_mark", "hex", "one bit, e.g. 0x1000"),
     Field("--transparent-table", "transparent_table", "int", "table number"),
+    Field(
+        "--ipvs-scheduler",
+        "scheduler",
+        "str",
+        "rr, lc or sh",
+        path="ipvs.scheduler",
+        kube_proxy_flag="--ipvs-scheduler",
+        commands=RUN_AND_RULES,
+    ),
+    Field("--outlier-consecutive-failures", "outlier_consecutive_failures", "int", "dials"),
+    Field("--outlier-base-ejection-time", "outlier_base_ejection_time", "duration"),
 )
 """The `run` command's setting flags, in --help order (each lists the other commands that
 take it)."""

@@ -22,7 +22,13 @@ from kube_userspace_proxy.config import kubeproxy as kpc
 from kube_userspace_proxy.config import validation
 from kube_userspace_proxy.config.fields import APPLIED_PATHS, FILE_FIELDS
 from kube_userspace_proxy.errors import ConfigError, InvalidConfigError
-from kube_userspace_proxy.model import SourcePolicy
+from kube_userspace_proxy.model import (
+    MAX_EJECTION_SECONDS,
+    MAX_OUTLIER_FAILURES,
+    Balancing,
+    SourcePolicy,
+    scheduler_named,
+)
 
 log = logs.get(__name__)
 
@@ -203,6 +209,45 @@ class ProxyConfig(BaseModel):
     """The packet-mark bit that sends replies to transparent sockets to the local table."""
     transparent_table: int = TRANSPARENT_TABLE
     """The routing table that holds `local default dev lo` for marked replies."""
+    scheduler: str = "rr"
+    """How each Service port picks an endpoint unless its annotation
+    kube-userspace-proxy.io/scheduler says otherwise: rr (round robin), lc (fewest open
+    connections on the node), sh (consistent hashing of the client address); IPVS's other
+    names map to the nearest of the three."""
+    outlier_consecutive_failures: int = 5
+    """Consecutive failed dials (refused, timed out, unreachable) after which an endpoint is
+    ejected for a while, node-wide; 0 turns ejection off."""
+    outlier_base_ejection_time: float = 30.0
+    """How long an ejected endpoint stays out, times its ejections so far, at most 300s."""
+
+    @field_validator("scheduler", mode="before")
+    @classmethod
+    def _check_scheduler(cls, value: Any) -> str:
+        name, problem = scheduler_named(str(value))
+        if problem is not None:
+            log.warning("--ipvs-scheduler / ipvs.scheduler: %s", problem)
+        return name
+
+    @field_validator("outlier_consecutive_failures")
+    @classmethod
+    def _check_failures(cls, value: int) -> int:
+        if not 0 <= value <= MAX_OUTLIER_FAILURES:
+            raise ValueError(f"must be a whole number from 0 to {MAX_OUTLIER_FAILURES}")
+        return value
+
+    @field_validator("outlier_base_ejection_time")
+    @classmethod
+    def _check_ejection_time(cls, value: float) -> float:
+        if not 0 < value <= MAX_EJECTION_SECONDS:
+            raise ValueError(f"must be more than 0 and at most {MAX_EJECTION_SECONDS:g}s")
+        return value
+
+    @property
+    def balancing(self) -> Balancing:
+        """The scheduler and outlier ejection every Service port gets unless annotated."""
+        return Balancing(
+            self.scheduler, self.outlier_consecutive_failures, self.outlier_base_ejection_time
+        )
 
     @field_validator("transparent_mark")
     @classmethod
@@ -286,6 +331,7 @@ class ProxyConfig(BaseModel):
         "min_sync_period",
         "config_sync_period",
         "shutdown_grace",
+        "outlier_base_ejection_time",
         mode="before",
     )
     @classmethod

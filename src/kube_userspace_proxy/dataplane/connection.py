@@ -337,7 +337,8 @@ class Connection(asyncio.Protocol):
                 else:  # --preserve-source-ip
                     await dial_from(loop, b, address, chooser, client_ip, ep.local, stats)
             except (Exception, asyncio.CancelledError) as exc:
-                outcome = DialOutcome.UNREACHABLE
+                refused = isinstance(exc, ConnectionRefusedError)
+                outcome = DialOutcome.REFUSED if refused else DialOutcome.UNREACHABLE
                 if isinstance(exc, asyncio.CancelledError):
                     if not self.timed_out:
                         raise
@@ -345,8 +346,6 @@ class Connection(asyncio.Protocol):
                     assert self.dial is not None
                     self.dial.uncancel()
                     outcome = DialOutcome.TIMED_OUT
-                elif isinstance(exc, ConnectionRefusedError):
-                    outcome = DialOutcome.REFUSED
                 elif isinstance(exc, OSError) and exc.errno in NO_DESCRIPTORS:
                     # This process is out of descriptors: the endpoint is not at fault.
                     stats.no_descriptors += 1

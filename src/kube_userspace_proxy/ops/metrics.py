@@ -34,6 +34,7 @@ from kube_userspace_proxy.ops.portmetrics import (
     PortMetrics,
     PortStatsSource,
 )
+from kube_userspace_proxy.outliers import ejections
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -67,6 +68,25 @@ class _ForbiddenAddressCollector(Collector):
         for labels, count in sorted(objects.forbidden_addresses.items()):
             family.add_metric(list(labels), count)
         yield family
+
+
+class _EjectionCollector(Collector):
+    """Endpoints ejected after runs of failed dials (`outliers.ejections`)."""
+
+    def collect(self) -> Iterable[Metric]:
+        total = CounterMetricFamily(
+            PREFIX + "endpoint_ejections",
+            "Times an endpoint was ejected after consecutive failed dials, per service port.",
+            labels=["service_port", "endpoint"],
+        )
+        for (service_port, endpoint), count in sorted(ejections.totals.items()):
+            total.add_metric([service_port, endpoint], count)
+        yield total
+        yield GaugeMetricFamily(
+            PREFIX + "endpoints_ejected",
+            "Endpoints ejected now (their ejection time not over), on every service port.",
+            value=ejections.ejected_now(),
+        )
 
 
 class SourceCounters(typing.Protocol):
@@ -333,6 +353,7 @@ class ProxyMetrics:
             registry=base,
         )
         base.register(_ForbiddenAddressCollector())
+        base.register(_EjectionCollector())
         # client-go's names, labels and buckets, so API-server dashboards carry over.
         self._api_requests = Counter(
             "rest_client_requests_total",

@@ -17,6 +17,7 @@ from kube_userspace_proxy.balancer import BalancerView
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.model import (
     Address,
+    Balancing,
     ClaimKey,
     Endpoint,
     ProxiedPort,
@@ -55,6 +56,10 @@ class Pool(Protocol):
 
     def source_choices(self) -> dict[Address, str]:
         """Per usable endpoint, the source its dials get under --preserve-source-ip ({}: off)."""
+        ...
+
+    def balance(self, balancing: Balancing) -> None:
+        """Pick with `balancing.scheduler`; eject outliers as it says."""
         ...
 
 

@@ -127,7 +127,9 @@ def _show(address: Address) -> str:
 
 
 def _balancer_json(view: BalancerView) -> dict[str, Any]:
+    out = {n: round(left, 1) for n, left in view.ejected}
     return {
+        "scheduler": view.scheduler,
         "endpoints": [
             {
                 "endpoint": _show(address),
@@ -136,8 +138,13 @@ def _balancer_json(view: BalancerView) -> dict[str, Any]:
                 "bytesIn": values[2],
                 "bytesOut": values[3],
                 "dialFailures": values[4],
+                **({"state": "ejected", "secondsLeft": out[address]} if address in out else {}),
             }
             for address, values in view.endpoints
+        ],
+        "ejected": [
+            {"endpoint": _show(a), "state": "ejected", "secondsLeft": round(left, 1)}
+            for a, left in view.ejected
         ],
         "recentPicks": [
             {"worker": worker, "picks": [[_show(a), why] for a, why in picks]}

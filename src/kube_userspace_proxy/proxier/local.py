@@ -45,7 +45,14 @@ class LocalDataPlane:
 
     def balancer_view(self, pool: EndpointPool) -> BalancerView:
         native.count_bytes()
-        return BalancerView(pool.tallies(), [(None, pool.recent_picks())], pool.penalized())
+        ejected = pool.outliers.ejected() if pool.outliers is not None else []
+        return BalancerView(
+            pool.tallies(),
+            [(None, pool.recent_picks())],
+            pool.penalized(),
+            scheduler=pool.scheduler,
+            ejected=ejected,
+        )
 
 
 _local: DataPlane[EndpointPool] = LocalDataPlane()  # conformance: LocalDataPlane is a DataPlane

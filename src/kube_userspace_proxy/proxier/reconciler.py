@@ -18,6 +18,7 @@ from kube_userspace_proxy import logs
 from kube_userspace_proxy.dataplane import ConnStats, native
 from kube_userspace_proxy.errors import DescriptorBudgetError, PortExhaustedError, PortInUseError
 from kube_userspace_proxy.model import (
+    DEFAULT_BALANCING,
     Change,
     ClaimKey,
     Path,
@@ -81,6 +82,8 @@ class Proxier(Generic[PoolT]):
         self._opened: list[Served[PoolT]] = []  # announced once they serve
         self.node_name: str | None = None
         self.source: SourcePolicy | None = None
+        self.balancing = DEFAULT_BALANCING
+        """The scheduler and outlier ejection of every Service port its annotations leave."""
         self._node_zone = ""
         self._node_port_now: tuple[str, ...] | None = None  # set while the node's IPs moved
 
@@ -289,7 +292,7 @@ class Proxier(Generic[PoolT]):
                 fresh.append((Path.EXTERNAL, self._open(served, Path.EXTERNAL)))
             elif not info.paths_differ and Path.EXTERNAL in served.listeners:
                 self._retire(served, Path.EXTERNAL)
-            served.take_endpoints(snapshot)
+            served.take_endpoints(snapshot, self.balancing)
             # Started once their pools are filled, so a port listens when it is announced.
             for _, listener in fresh:
                 await listener.start()
@@ -302,7 +305,7 @@ class Proxier(Generic[PoolT]):
                 self._book.release(info.protocol, listener.port)
                 await listener.close()
             if not new:
-                served.take_endpoints(snapshot)  # the paths left still follow
+                served.take_endpoints(snapshot, self.balancing)  # the paths left still follow
             raise
         if fresh:
             served.target = None

@@ -10,6 +10,8 @@ from typing import Any, Generic, TypeVar
 
 from kube_userspace_proxy.dataplane import ConnStats
 from kube_userspace_proxy.model import (
+    DEFAULT_BALANCING,
+    Balancing,
     Desired,
     Endpoint,
     Path,
@@ -99,10 +101,12 @@ class Served(Generic[PoolT]):
             )
         return self.target
 
-    def take_endpoints(self, desired: Desired) -> None:
+    def take_endpoints(self, desired: Desired, balancing: Balancing = DEFAULT_BALANCING) -> None:
         """Choose each path's usable endpoints from `desired` (traffic policy, topology) into
-        its pool, with the source policy, and let the listeners see them."""
+        its pool, with the source policy and the scheduler and ejection (`balancing`, the
+        proxy's default, under the Service's annotations), and let the listeners see them."""
         info = self.info
+        balanced = info.balancing.over(balancing)
         endpoints = desired.endpoints_of(info.name)
         self.endpoints = endpoints
         self.all_endpoints = len(endpoints)
@@ -124,6 +128,7 @@ class Served(Generic[PoolT]):
             pool.source = desired.source  # --preserve-source-ip
             pool.update(usable, affinity_timeout=timeout, local=on_node(usable, node_name))
             pool.proxy_protocol = info.proxy_protocol
+            pool.balance(balanced)
         for listener in self.every_listener():
             listener.refresh()
 

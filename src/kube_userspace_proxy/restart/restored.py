@@ -22,7 +22,14 @@ from kube_userspace_proxy.cluster.objects import (
     ip_address,
     port_number,
 )
-from kube_userspace_proxy.model import Endpoint, Protocol, ServicePortInfo, ServicePortName
+from kube_userspace_proxy.model import (
+    SCHEDULERS,
+    BalancingOverrides,
+    Endpoint,
+    Protocol,
+    ServicePortInfo,
+    ServicePortName,
+)
 
 log = logs.get(__name__)
 
@@ -93,6 +100,24 @@ def _proxy_protocol(value: Any, where: str) -> int:
     return int(value)
 
 
+def _balancing(value: Any, where: str) -> BalancingOverrides:
+    """[scheduler, outlier failures, base ejection seconds], each null for the default."""
+    if not isinstance(value, list) or len(value) != 3:
+        raise Malformed(f"{where}: expected [scheduler, failures, seconds], got {value!r}")
+    scheduler, failures, seconds = value
+    if scheduler is not None and scheduler not in SCHEDULERS:
+        raise Malformed(f"{where}[0]: {scheduler!r} is not one of {', '.join(SCHEDULERS)}")
+    if failures is not None and (
+        isinstance(failures, bool) or not isinstance(failures, int) or failures < 0
+    ):
+        raise Malformed(f"{where}[1]: {failures!r} is not a whole number >= 0")
+    if seconds is not None and (
+        isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0
+    ):
+        raise Malformed(f"{where}[2]: {seconds!r} is not a number of seconds > 0")
+    return BalancingOverrides(scheduler, failures, None if seconds is None else float(seconds))
+
+
 def _plain(check: Callable[[Any, str], Any]) -> Callable[[Any, str, str], Any]:
     return lambda value, where, _: check(value, where)
 
@@ -109,6 +134,7 @@ INFO_CHECKS: dict[str, Callable[[Any, str, str], Any]] = {
     "external_traffic_local": _plain(_bool),
     "health_check_node_port": _plain(_optional_port),
     "proxy_protocol": _plain(_proxy_protocol),
+    "balancing": _plain(_balancing),
 }
 """One check per field of ServicePortInfo but its name (`port` and `cluster_ips` required;
 any other missing keeps its default: a field the file predates)."""

@@ -30,6 +30,7 @@ from kube_userspace_proxy import logs
 from kube_userspace_proxy.cluster.objects import Malformed, ip_address
 from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.model import (
+    BalancingOverrides,
     Endpoint,
     ServicePortInfo,
     ServicePortName,
@@ -207,12 +208,19 @@ class Encoder:
         return pieces
 
 
+def _plain(value: object) -> object:
+    """A field's value as JSON holds it (the annotations' overrides: a list of three)."""
+    if isinstance(value, BalancingOverrides):
+        return [value.scheduler, value.outlier_failures, value.outlier_base_ejection]
+    return value
+
+
 def _entry(name: ServicePortName, info: ServicePortInfo, endpoints: tuple[Endpoint, ...]) -> str:
     return _dumps(
         {
             "name": [name.namespace, name.name, name.port, str(name.protocol)],
             "info": {
-                field: value
+                field: _plain(value)
                 for field, default in _INFO_FIELDS
                 if (value := getattr(info, field)) != default
             },

@@ -87,8 +87,9 @@ class ForkServer:
     """The control process's handle on the fork server: starts it, restarts it after an
     exit, and forks workers through it."""
 
-    def __init__(self, worker_argv: list[str]) -> None:
+    def __init__(self, worker_argv: list[str], pass_fds: tuple[int, ...] = ()) -> None:
         self._argv = worker_argv
+        self._pass_fds = pass_fds  # descriptors every worker inherits (the shared counts)
         self._server: asyncio.subprocess.Process | None = None
         self._sock: socket.socket | None = None
         self._ready: asyncio.Future[None] | None = None
@@ -124,7 +125,7 @@ class ForkServer:
                 "--fd",
                 str(theirs.fileno()),
                 *self._argv,
-                pass_fds=(theirs.fileno(),),
+                pass_fds=(theirs.fileno(), *self._pass_fds),
                 stdin=asyncio.subprocess.DEVNULL,
             )
         finally:

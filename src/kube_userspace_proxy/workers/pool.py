@@ -16,17 +16,38 @@ work:
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+import weakref
 from collections.abc import Sequence
 
 from kube_userspace_proxy.balancer import BalancerView, PoolView, Transparency
 from kube_userspace_proxy.dataplane import ConnStats
-from kube_userspace_proxy.model import Address, Endpoint, ServicePortName, SocketKey, SourcePolicy
+from kube_userspace_proxy.model import (
+    SCHEDULERS,
+    Address,
+    Balancing,
+    Endpoint,
+    ServicePortName,
+    SocketKey,
+    SourcePolicy,
+)
+from kube_userspace_proxy.nodecounts import NodeCounts, SlotBook
+from kube_userspace_proxy.outliers import Outliers
+from kube_userspace_proxy.schedulers import LC, NO_SLOTS, RR, scheduler_code
 from kube_userspace_proxy.workers.counters import Counters
 from kube_userspace_proxy.workers.groups import Groups
 from kube_userspace_proxy.workers.handover import Handover
 from kube_userspace_proxy.workers.link import Replies, WorkerLink
-from kube_userspace_proxy.workers.protocol import Collected, Pin, Settings
+from kube_userspace_proxy.workers.protocol import (
+    Collected,
+    Eject,
+    Penalty,
+    Pin,
+    Recovered,
+    Scheduled,
+    Settings,
+)
 from kube_userspace_proxy.workers.publisher import Publisher
 from kube_userspace_proxy.workers.supervisor import Supervisor
 
@@ -44,16 +65,28 @@ class EndpointSet:
 
     __slots__ = (
         "__weakref__",  # the publisher ids pools weakly
+        "_book",
+        "_ejecting",
         "_local",
+        "_scheduler",
+        "_slots",
         "addresses",
         "affinity_timeout",
         "name",
+        "outliers",
         "proxy_protocol",
         "source",
     )
 
-    def __init__(self, name: ServicePortName) -> None:
+    def __init__(self, name: ServicePortName, book: SlotBook | None = None) -> None:
         self.name = name
+        self._book = book
+        self._scheduler = RR
+        self._slots: dict[Address, int] = {}  # lc: each endpoint's slot in the shared counts
+        self.outliers: Outliers | None = None
+        """Passive ejection, decided here for every worker; made at the first failed dial
+        (None: none yet, or off)."""
+        self._ejecting: Balancing | None = None  # the settings of ejection (None: off)
         self.addresses: tuple[Address, ...] = ()
         """The usable endpoint addresses, in round-robin order."""
         self.affinity_timeout: float | None = None
@@ -78,10 +111,67 @@ class EndpointSet:
         addresses = tuple(dict.fromkeys(e.address for e in endpoints))
         if addresses != self.addresses:  # unchanged: keep the tuple the entries already share
             self.addresses = addresses
+            self._take_slots()
+            if self.outliers is not None:
+                self.outliers.keep(addresses)
         self.affinity_timeout = (
             affinity_timeout if affinity_timeout is not None and affinity_timeout > 0 else None
         )
         self._local = tuple(a for a in self.addresses if a in local) if local else ()
+
+    @property
+    def scheduler(self) -> str:
+        """The scheduler the workers pick with (one of `model.SCHEDULERS`)."""
+        return SCHEDULERS[self._scheduler]
+
+    def balance(self, balancing: Balancing) -> None:
+        """Have the workers pick with `balancing.scheduler` (lc: each endpoint gets a slot of
+        the node's shared counts); eject outliers as `balancing` says."""
+        self._scheduler = scheduler_code(balancing.scheduler)
+        self._take_slots()
+        self._ejecting = balancing if balancing.outlier_failures > 0 else None
+        if self._ejecting is None:
+            self.outliers = None
+        elif self.outliers is not None:
+            self.outliers.failures = balancing.outlier_failures
+            self.outliers.base = balancing.outlier_base_ejection
+
+    def dial_failed(self, address: Address) -> float:
+        """A worker's dial to `address` failed: the seconds it is ejected for now (0: not)."""
+        ejecting = self._ejecting
+        if ejecting is None:
+            return 0.0
+        if self.outliers is None:  # made at the first failure: most pools never see one
+            self.outliers = Outliers(
+                self.name,
+                failures=ejecting.outlier_failures,
+                base=ejecting.outlier_base_ejection,
+            )
+        return self.outliers.failed(address, len(self.addresses))
+
+    @property
+    def scheduled(self) -> Scheduled:
+        """How the workers pick: (scheduler code, lc's slot per endpoint, in order)."""
+        if self._scheduler != LC or not self._slots:
+            return (self._scheduler, NO_SLOTS)
+        return (self._scheduler, tuple(self._slots[a] for a in self.addresses))
+
+    def _take_slots(self) -> None:
+        """Slots for lc's endpoints (kept while the endpoint stays), given back otherwise."""
+        book = self._book
+        if book is None:
+            return
+        wanted = self.addresses if self._scheduler == LC else ()
+        held = self._slots
+        keep = set(wanted)
+        gone = [a for a in held if a not in keep]
+        if gone:
+            book.give_back(tuple(held.pop(a) for a in gone))
+        if wanted and not held:  # the first: give them back when this set is dropped
+            weakref.finalize(self, _give_back, book, held)
+        for address in wanted:
+            if address not in held:
+                held[address] = book.take()
 
     @property
     def transparency(self) -> Transparency:
@@ -98,6 +188,11 @@ class EndpointSet:
             return {}
         local = set(self._local)
         return {a: "client" if a in local else "client-if-pod" for a in self.addresses}
+
+
+def _give_back(book: SlotBook, held: dict[Address, int]) -> None:
+    book.give_back(tuple(held.values()))
+    held.clear()
 
 
 class SharedPort:
@@ -189,8 +284,12 @@ class WorkerPool:
         dataplane: str = "auto",
     ) -> None:
         self.count = count
+        # lc's active connections, shared by the workers (inherited through the fork server).
+        self.counts = NodeCounts.create(count)
+        self._book = SlotBook(self.counts.slots)
         argv = ["--workers", str(count), "-v", str(verbosity), "--log-format", log_format]
         argv += ["--event-loop", event_loop, "--dataplane", dataplane]
+        argv += ["--counts-fd", str(self.counts.fd)]
         replies = Replies()
         self._supervisor = Supervisor(
             count,
@@ -199,6 +298,8 @@ class WorkerPool:
             on_part=self._take_part,
             on_exit=self._worker_exited,
             on_slot=self._slot_taken,
+            on_dial=self._dial_reported,
+            pass_fds=(self.counts.fd,),
         )
         self._groups = Groups(count)
         self._publisher = Publisher(
@@ -211,7 +312,7 @@ class WorkerPool:
 
     def new_pool(self, name: ServicePortName) -> EndpointSet:
         """The workers pick; this process only describes each pool to them."""
-        return EndpointSet(name)
+        return EndpointSet(name, self._book)
 
     def listener(
         self,
@@ -253,13 +354,32 @@ class WorkerPool:
         return self._counters.affinity_summary(self._publisher.pool_id(pool))
 
     def balancer_view(self, pool: PoolView) -> BalancerView:
-        """What each worker's copy of `pool` reported at the last `collect(debug=True)`."""
-        return self._counters.balancer_view(self._publisher.pool_id(pool), pool.addresses)
+        """What each worker's copy of `pool` reported at the last `collect(debug=True)`, with
+        its scheduler and the endpoints ejected now (decided here)."""
+        view = self._counters.balancer_view(self._publisher.pool_id(pool), pool.addresses)
+        if not isinstance(pool, EndpointSet):
+            return view
+        ejected = pool.outliers.ejected() if pool.outliers is not None else []
+        return dataclasses.replace(view, scheduler=pool.scheduler, ejected=ejected)
 
     # ---- what the parts tell each other ------------------------------------------------------
 
     def _take_part(self, worker: WorkerLink, part: Collected) -> None:
         self._counters.take_part(worker, part)
+
+    def _dial_reported(self, message: Penalty | Recovered) -> None:
+        """A worker's dial failed (`Penalty`), or connected after a failure (`Recovered`):
+        count it node-wide; an ejection is sent to every worker."""
+        pool = self._publisher.pool(message.pool_id)
+        if not isinstance(pool, EndpointSet):
+            return
+        if isinstance(message, Recovered):
+            if pool.outliers is not None:
+                pool.outliers.succeeded(message.address)
+            return
+        seconds = pool.dial_failed(message.address)
+        if seconds > 0:
+            self._supervisor.broadcast(Eject(message.pool_id, message.address, seconds))
 
     def _worker_exited(self, index: int) -> None:
         """The worker of slot `index` exited (or was killed): its sockets left every group."""
@@ -271,6 +391,13 @@ class WorkerPool:
 
     async def _slot_taken(self, worker: WorkerLink) -> None:
         await self._publisher.send_table(worker)
+        # A worker new in its slot skips what the others skip: the endpoints ejected now.
+        for port in list(self._publisher.ports.values()):
+            pool = port.picker
+            pool_id = self._publisher.pool_id(pool)
+            if isinstance(pool, EndpointSet) and pool.outliers is not None and pool_id:
+                for address, left in pool.outliers.ejected():
+                    worker.send(Eject(pool_id, address, left))
 
     # ---- what the others read ----------------------------------------------------------------
 
@@ -378,3 +505,4 @@ class WorkerPool:
         """
         retry = self._publisher.stop()
         await self._supervisor.shutdown(grace, release=release, tasks=(retry,))
+        self.counts.close()  # the workers are gone; their own mappings went with them

@@ -38,8 +38,16 @@ from kube_userspace_proxy.balancer import (
 from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, native, steering
 from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.dataplane.tcp import DATAPLANES, is_listening, set_default
-from kube_userspace_proxy.model import Address, DialOutcome, Protocol, ServicePortName, SocketKey
+from kube_userspace_proxy.model import (
+    Address,
+    DialOutcome,
+    Protocol,
+    ServicePortName,
+    SocketKey,
+)
+from kube_userspace_proxy.nodecounts import NodeCounts
 from kube_userspace_proxy.workers import channel, protocol
+from kube_userspace_proxy.workers.nodewide import NodeWide
 from kube_userspace_proxy.workers.protocol import (
     Adopt,
     Adopted,
@@ -51,6 +59,7 @@ from kube_userspace_proxy.workers.protocol import (
     Delta,
     Drain,
     Drained,
+    Eject,
     Export,
     Exported,
     Hello,
@@ -62,6 +71,7 @@ from kube_userspace_proxy.workers.protocol import (
     PoolEntry,
     PoolView,
     Routes,
+    Scheduled,
     Settings,
     Steer,
     Table,
@@ -118,17 +128,23 @@ class _Pool(EndpointPool):
     """An endpoint pool whose dial failures are also reported to the other workers; the
     worker's copy of its slot (`EndpointPool.take_slot`)."""
 
-    __slots__ = ("fresh", "pool_id", "worker")
+    __slots__ = ("fresh", "pool_id", "sched", "worker")
 
     def __init__(self, pool_id: int, name: ServicePortName, worker: Worker) -> None:
         super().__init__(name, slot=worker.index, slots=worker.slots)
         self.pool_id = pool_id
         self.worker = worker
         self.fresh = True
+        self.sched: Scheduled = (0, ())
+        """How the table says to pick (kept: a spare shares its counts once it has a slot)."""
 
     def dial_failed(self, address: Address, outcome: int = DialOutcome.REFUSED) -> None:
         super().dial_failed(address, outcome)
         self.worker.report_penalty(self.pool_id, address)
+
+    def _recovered(self, address: Address) -> None:
+        super()._recovered(address)
+        self.worker.nodewide.report_recovered(self.pool_id, address)
 
     def take(
         self,
@@ -136,16 +152,18 @@ class _Pool(EndpointPool):
         timeout: float | None,
         proxy_protocol: int,
         transparency: Transparency,
+        scheduled: Scheduled,
     ) -> bool:
         """Take this pool's entry of a table or delta; whether its endpoints changed."""
         self.proxy_protocol = proxy_protocol
         self.source = source_policy(transparency[0])
         # Compared with what the pool holds: a copy of the table's entries kept to compare
         # with was the table a second time in every worker (0.4 KiB a pool).
-        if not self.fresh and (addresses, timeout, transparency) == (
+        if not self.fresh and (addresses, timeout, transparency, scheduled) == (
             self.addresses,
             self.affinity_timeout,
             self.transparency,
+            self.sched,
         ):
             return False
         self.fresh = False
@@ -154,6 +172,7 @@ class _Pool(EndpointPool):
             affinity_timeout=timeout,
             local=frozenset(transparency[1]) if transparency[1] else NO_LOCAL,
         )
+        self.worker.nodewide.take(self, scheduled)
         return True
 
 
@@ -183,6 +202,7 @@ class Worker:
         self._writer = writer
         self._served: dict[SocketKey, _Served] = {}
         self._pools: dict[int, _Pool] = {}
+        self.nodewide = NodeWide(None, index, writer, self._pools)  # counts: set by `_main`
         self.addresses = Addresses()
         self._stats: dict[str, ConnStats] = {}
         self._events: list[Membership] = []
@@ -209,6 +229,7 @@ class Worker:
             Become: self._on_become,
             Steer: self._on_steer,
             Penalty: self._on_penalty,
+            Eject: self.nodewide.on_eject,
             Collect: self._collect,
             Adopt: self._adopt,
             Export: self._export,
@@ -253,8 +274,7 @@ class Worker:
         """This spare takes the slot of a worker that died; its pools start at the slot's
         place if they have not picked yet."""
         self.index = become.worker
-        for pool in self._pools.values():
-            pool.take_slot(self.index, self.slots)
+        self.nodewide.become(self.index, self.slots)
 
     async def _on_steer(self, steer: Steer) -> None:
         self.steer(steer.routes)
@@ -307,13 +327,13 @@ class Worker:
         self.tcp_keepalive = float(settings.tcp_keepalive)
         self._routes.update(routes)
         changed: set[int] = set()
-        for pool_id, (pool_name, addresses, timeout, proxy_protocol, tp) in pools.items():
+        for pool_id, (pool_name, addresses, timeout, proxy_protocol, tp, sched) in pools.items():
             pool = self._pools.get(pool_id)
             if pool is None:
                 namespace, name, port, kind = pool_name
                 spn = ServicePortName(namespace, name, port, Protocol(kind))
                 pool = self._pools[pool_id] = _Pool(pool_id, spn, self)
-            if pool.take(addresses, timeout, proxy_protocol, tp):
+            if pool.take(addresses, timeout, proxy_protocol, tp, sched):
                 changed.add(pool_id)
         self.addresses.prune(self._pools.values())
         return changed
@@ -574,7 +594,15 @@ async def _main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, lambda: None)
-    return await Worker(args.index, reader, writer, slots=args.workers).run()
+    counts = None
+    if args.counts_fd >= 0:
+        try:
+            counts = NodeCounts(args.counts_fd, args.workers)
+        except (OSError, ValueError) as exc:
+            log.error("worker %d: no shared counts (lc counts per worker): %s", args.index, exc)
+    worker = Worker(args.index, reader, writer, slots=args.workers)
+    worker.nodewide.counts = counts
+    return await worker.run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -582,6 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="the channel's descriptor")
     parser.add_argument("--index", type=int, required=True, help="this worker's number")
     parser.add_argument("--workers", type=int, default=1, help="how many workers serve (default 1)")
+    parser.add_argument(
+        "--counts-fd", type=int, default=-1, help="the shared counts' memfd (-1: none)"
+    )
     parser.add_argument("-v", dest="verbosity", type=int, default=0)
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop")

@@ -12,9 +12,9 @@ at the edge (at 10,000 ports that doubled the worker's decoding time and added ~
 full publish).
 
 Control process -> worker: `Table`, `Delta`, `Steer`, `Ping`, `Become`, `Penalty` (passed
-on from another worker), `Collect`, `Adopt`, `Export`, `Drain`.
-Worker -> control process: `Hello`, `Pong`, `Applied`, `Penalty`, `Collected`, `Adopting`,
-`Adopted`, `Exported`, `Drained`.
+on from another worker), `Eject`, `Collect`, `Adopt`, `Export`, `Drain`.
+Worker -> control process: `Hello`, `Pong`, `Applied`, `Penalty`, `Recovered`, `Collected`,
+`Adopting`, `Adopted`, `Exported`, `Drained`.
 """
 
 from __future__ import annotations
@@ -48,9 +48,13 @@ ListenerEntry = tuple[SocketKey, str, int, int]
 PoolName = tuple[str, str, str, str]
 """A pool's service port: (namespace, name, port, protocol), plain strings (10,000 dataclasses
 unpickle in 0.1 s)."""
-PoolEntry = tuple[PoolName, tuple[Address, ...], float | None, int, Transparency]
+Scheduled = tuple[int, tuple[int, ...]]
+"""How a pool picks: (its scheduler: `schedulers.RR`, `LC` or `SH`; lc: each endpoint's slot
+in the node's shared counts, `nodecounts`, -1 for none; otherwise ())."""
+PoolEntry = tuple[PoolName, tuple[Address, ...], float | None, int, Transparency, Scheduled]
 """One endpoint pool: (its name, its endpoints, its affinity timeout or None, its PROXY
-protocol version or 0, its transparent-dialing inputs: `balancer.Transparency`)."""
+protocol version or 0, its transparent-dialing inputs: `balancer.Transparency`, how it
+picks: `Scheduled`)."""
 
 
 class Membership(NamedTuple):
@@ -115,6 +119,23 @@ class Become(NamedTuple):
 class Penalty(NamedTuple):
     """A dial to `address` of pool `pool_id` failed: skip it for a while (worker -> control
     process -> every other worker)."""
+
+    pool_id: int
+    address: Address
+
+
+class Eject(NamedTuple):
+    """Endpoint `address` of pool `pool_id` is ejected for `seconds` from now (the control
+    process decided, from the workers' `Penalty` and `Recovered` reports)."""
+
+    pool_id: int
+    address: Address
+    seconds: float
+
+
+class Recovered(NamedTuple):
+    """A dial to `address` of pool `pool_id` connected after a failed one (in this worker or
+    another): its run of failures is over (worker -> control process)."""
 
     pool_id: int
     address: Address
@@ -221,8 +242,21 @@ class Drained(NamedTuple):
     worker: int
 
 
-ToWorker = Table | Delta | Steer | Ping | Become | Penalty | Collect | Adopt | Export | Drain
-FromWorker = Hello | Pong | Applied | Penalty | Collected | Adopting | Adopted | Exported | Drained
+ToWorker = (
+    Table | Delta | Steer | Ping | Become | Penalty | Eject | Collect | Adopt | Export | Drain
+)
+FromWorker = (
+    Hello
+    | Pong
+    | Applied
+    | Penalty
+    | Recovered
+    | Collected
+    | Adopting
+    | Adopted
+    | Exported
+    | Drained
+)
 Message = ToWorker | FromWorker
 Reply = Applied | Adopting | Adopted | Exported | Drained
 """The answers to one request, matched to it by `seq`."""
@@ -275,6 +309,8 @@ _KINDS: dict[type[Any], tuple[str, _Encoder, _Decoder]] = {
             Ping,
             Become,
             Penalty,
+            Eject,
+            Recovered,
             Collect,
             Adopt,
             Export,

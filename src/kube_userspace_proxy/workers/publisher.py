@@ -27,6 +27,7 @@ from kube_userspace_proxy.workers.protocol import (
     Delta,
     ListenerEntry,
     PoolEntry,
+    Scheduled,
     Settings,
     Steer,
     Table,
@@ -72,6 +73,7 @@ class Publisher:
         self.ports: dict[SocketKey, Port] = {}
         """Every port served now."""
         self._pool_ids: weakref.WeakKeyDictionary[PoolView, int] = weakref.WeakKeyDictionary()
+        self._pools: weakref.WeakValueDictionary[int, PoolView] = weakref.WeakValueDictionary()
         self._next_pool_id = itertools.count(1)
         self._lock = asyncio.Lock()
         self._published = False  # a table (or delta) went out: restarted workers need one
@@ -129,6 +131,10 @@ class Publisher:
         """The id the workers know `picker`'s pool by (None: never published)."""
         return self._pool_ids.get(picker)
 
+    def pool(self, pool_id: int) -> PoolView | None:
+        """The pool the workers know by `pool_id` (None: gone, or never published)."""
+        return self._pools.get(pool_id)
+
     def forget_sent(self) -> None:
         """Send every port at the next publish though the workers have it (benchmarks)."""
         self._sent_ports.clear()
@@ -158,7 +164,7 @@ class Publisher:
             # A port sent again to a worker that could not open it will join its group.
             regrouped = bool(removed) or retried
             for key, _, pool_id, _ in listeners:  # inline `_joins`: 10,000 calls cost ~1 ms
-                _, addresses, _, _, _ = pools[pool_id]
+                _, addresses, _, _, _, _ = pools[pool_id]
                 joins = key[0] == "UDP" or bool(addresses)
                 if self._joined.get(key) != joins:
                     self._joined[key] = joins
@@ -293,6 +299,7 @@ class Publisher:
         pool_id = self._pool_ids.get(picker)
         if pool_id is None:
             pool_id = self._pool_ids[picker] = next(self._next_pool_id)
+            self._pools[pool_id] = picker
         return pool_id
 
     def _entries(self, ports: Iterable[Port]) -> tuple[list[ListenerEntry], dict[int, PoolEntry]]:
@@ -311,6 +318,7 @@ class Publisher:
                     picker.affinity_timeout,
                     picker.proxy_protocol,
                     picker.transparency,  # --preserve-source-ip
+                    picker.scheduled,
                 )
             listeners.append((port.key, port.name, pool_id, port.v6only))
         return listeners, pools
@@ -390,14 +398,14 @@ class Publisher:
         return self._retry_task
 
 
-_PoolState = tuple[tuple[Address, ...], float | None, int, Transparency]
+_PoolState = tuple[tuple[Address, ...], float | None, int, Transparency, Scheduled]
 """A pool's entry less its name (`PoolEntry[1:]`): what may change of a pool."""
 
 
 def _joins(key: SocketKey, pool: PoolEntry) -> bool:
     """Whether the workers' sockets of port `key` are in its reuseport group: UDP always, TCP
     while its pool has endpoints (without, the workers do not listen)."""
-    _, addresses, _, _, _ = pool
+    _, addresses, _, _, _, _ = pool
     return key[0] == "UDP" or bool(addresses)
 
 

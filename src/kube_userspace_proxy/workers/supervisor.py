@@ -34,6 +34,7 @@ from kube_userspace_proxy.workers.protocol import (
     Penalty,
     Ping,
     Pong,
+    Recovered,
 )
 
 log = logs.get(__name__)
@@ -69,16 +70,19 @@ class Supervisor:
         on_part: Callable[[WorkerLink, Collected], None],
         on_exit: Callable[[int], None],
         on_slot: Callable[[WorkerLink], Awaitable[None]],
+        on_dial: Callable[[Penalty | Recovered], None] = lambda _: None,
+        pass_fds: tuple[int, ...] = (),
         spare: bool | None = None,
     ) -> None:
         self.count = count
-        self.forks = ForkServer(argv)
+        self.forks = ForkServer(argv, pass_fds)
         """The fork server every worker is forked from."""
         self._keeps_spare = KEEP_SPARE if spare is None else spare
         self._replies = replies
         self._on_part = on_part
         self._on_exit = on_exit
         self._on_slot = on_slot
+        self._on_dial = on_dial
         self._workers: list[WorkerLink | None] = [None] * count
         self._spare: WorkerLink | None = None
         self._spare_task: asyncio.Task[None] | None = None
@@ -90,6 +94,12 @@ class Supervisor:
         """Workers replaced after an unexpected exit."""
 
     # ---- what the others read ------------------------------------------------------------------
+
+    def broadcast(self, message: protocol.ToWorker) -> None:
+        """Send `message` to every live worker."""
+        body = protocol.encode(message)
+        for worker in self.live():
+            worker.send(body)
 
     def live(self) -> list[WorkerLink]:
         """The workers serving now, in slot order (the spare not counted)."""
@@ -203,6 +213,9 @@ class Supervisor:
                     for other in self.live():
                         if other is not worker:
                             other.send(body)
+                    self._on_dial(message)
+                case Recovered():
+                    self._on_dial(message)
                 case Applied() | Adopting() | Adopted() | Exported() | Drained():
                     self._replies.take(worker, message)
                 case _:
