@@ -38,6 +38,9 @@ CLIENT = "127.0.0.2"
 # More than the proxy queues while dialing (high_water, 256 KiB) and then some left unread.
 PAYLOAD = FORGED + b"x" * (1024 * 1024)
 HIGH_WATER = 256 * 1024
+# What each data plane reads from a client while it dials: the Python one up to its high
+# water mark, the native one nothing (the client's socket is read once the dial connected).
+QUEUED_WHILE_DIALING = {"python": HIGH_WATER, "native": 0}
 
 
 def _rx_queue(local_port: int, remote: tuple[str, int]) -> int | None:
@@ -68,9 +71,12 @@ def backend() -> Iterator[socket.socket]:
     listener.close()
 
 
-async def first_line_seen(listener: socket.socket, proxy_port: int) -> tuple[bytes, int] | None:
+async def first_line_seen(
+    listener: socket.socket, proxy_port: int, queued: int
+) -> tuple[bytes, int] | None:
     """Run the race once: (the first line the backend got, the client's port); None when the
-    proxy gave up on the dial before the set-up was done."""
+    proxy gave up on the dial before the set-up was done. `queued`: what the data plane reads
+    while it dials before it stops reading (the native one reads nothing until connected)."""
     loop = asyncio.get_running_loop()
     backend_port = listener.getsockname()[1]
     parked = socket.create_connection(("127.0.0.1", backend_port))  # the queue is full now
@@ -82,7 +88,7 @@ async def first_line_seen(listener: socket.socket, proxy_port: int) -> tuple[byt
         client_port = client.getsockname()[1]
         await loop.sock_sendall(client, PAYLOAD)
 
-        # The proxy has queued at least high_water bytes (so it stopped reading) and left
+        # The proxy has queued what it queues while dialing (so it stopped reading) and left
         # some unread: from now on it does not look at this socket until the dial completes.
         def proxy_stopped_reading() -> bool:
             unread = _rx_queue(proxy_port, (CLIENT, client_port))
@@ -90,7 +96,7 @@ async def first_line_seen(listener: socket.socket, proxy_port: int) -> tuple[byt
                 return False
             unsent = struct.unpack("i", fcntl.ioctl(client, termios.TIOCOUTQ, b"\0" * 4))[0]
             left = unread + unsent
-            return left > 0 and len(PAYLOAD) - left >= HIGH_WATER
+            return left > 0 and len(PAYLOAD) - left >= queued
 
         await wait_for(proxy_stopped_reading, 30, "the proxy to stop reading, bytes left unread")
         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -117,7 +123,7 @@ async def first_line_seen(listener: socket.socket, proxy_port: int) -> tuple[byt
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 async def test_a_client_written_proxy_line_never_reaches_the_backend_first(
-    tmp_path: Path, backend: socket.socket, workers: str
+    tmp_path: Path, backend: socket.socket, workers: str, dataplane: str
 ) -> None:
     manifest = tmp_path / "svc.yaml"
     svc = service("pp", [{"name": "p", "port": 80, "protocol": "TCP"}])
@@ -129,7 +135,7 @@ async def test_a_client_written_proxy_line_never_reaches_the_backend_first(
             await wait_for(lambda: proxy.workers is not None and proxy.workers.alive == 2, 30)
         port = proxy.proxier.port_of(ServicePortName("default", "pp", "p", Protocol.TCP))
         for _ in range(ATTEMPTS):
-            seen = await first_line_seen(backend, port)
+            seen = await first_line_seen(backend, port, QUEUED_WHILE_DIALING[dataplane])
             if seen is not None:
                 break
         assert seen is not None, f"the proxy gave up on the dial {ATTEMPTS} times: no verdict"

@@ -86,6 +86,7 @@ typedef struct {
     uint8_t eof;       /* src said EOF (or it was shut down) */
     uint8_t done;      /* EOF passed on to dst */
     uint8_t spliced;   /* switched to splice at some point */
+    uint8_t piped;     /* a splice moved bytes (so a refusal now is an error, not "unsupported") */
 } dir_t;
 
 typedef struct conn {
@@ -417,6 +418,9 @@ static int conn_end(Core *self, conn *c, int how) {
 
 enum { P_IDLE = 0, P_WAIT = 1, P_MORE = 2, P_DONE = 3, P_ERROR = 4 };
 
+/* A side's read flags: ready to read, and its peer's FIN seen (read until EOF, short or not). */
+enum { RD_READY = 1, RD_HUP = 2 };
+
 /* Switch a direction to splice: its buffer is empty here. */
 static void dir_to_splice(Core *self, dir_t *d) {
     if (d->b) {
@@ -477,7 +481,7 @@ static int pump(Core *self, conn *c, dir_t *d, int src, int dst, uint8_t *rd, ui
             if (n < 0) {
                 if (errno == EAGAIN) { *rd = 0; return P_IDLE; }
                 if (errno == EINTR) continue;
-                if ((errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP) && d->bytes == 0) {
+                if ((errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP) && !d->piped) {
                     /* Not for these sockets: copy from now on, here and in new connections. */
                     pipe_put(self, d->p, 0);
                     d->p = NULL;
@@ -491,6 +495,7 @@ static int pump(Core *self, conn *c, dir_t *d, int src, int dst, uint8_t *rd, ui
             if (n == 0) { d->eof = 1; *rd = 0; continue; }
             d->in_pipe = (size_t)n;
             d->bytes += (uint64_t)n;
+            d->piped = 1;
             continue;
         }
         if (!d->b) {
@@ -519,7 +524,9 @@ static int pump(Core *self, conn *c, dir_t *d, int src, int dst, uint8_t *rd, ui
         d->len = (uint32_t)n;
         d->bytes += (uint64_t)n;
         if ((size_t)n < self->bufsize) {
-            *rd = 0;  /* a short read: the socket is drained (the next byte brings an edge) */
+            /* A short read: the socket is drained (the next byte brings an edge), unless the
+             * peer's FIN came with the data (RD_HUP): then the next read says EOF. */
+            if (!(*rd & RD_HUP)) *rd = 0;
             d->full_reads = 0;
         } else if (c->splice_ok && self->splice_global && ++d->full_reads >= SPLICE_AFTER) {
             /* Bulk: write out what was read, then splice from the next read on. */
@@ -656,7 +663,8 @@ static int on_backend_while_dialing(Core *self, conn *c, uint32_t events, int64_
         return dial_failed(self, c, outcome_of(err), err);
     }
     if (events & EPOLLOUT) {
-        if (events & EPOLLIN) c->b_rd = 1;
+        if (events & EPOLLIN) c->b_rd = RD_READY;
+        if (events & (EPOLLRDHUP | EPOLLHUP)) c->b_rd |= RD_READY | RD_HUP;
         return dial_connected(self, c, now);
     }
     return 0;
@@ -1083,7 +1091,8 @@ static PyObject *Core_run(Core *self, PyObject *Py_UNUSED(ignored)) {
             }
             uint8_t *rd = backend ? &c->b_rd : &c->c_rd;
             uint8_t *wr = backend ? &c->b_wr : &c->c_wr;
-            if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) *rd = 1;
+            if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) *rd |= RD_READY;
+            if (events & (EPOLLRDHUP | EPOLLHUP)) *rd |= RD_HUP;
             if (events & (EPOLLOUT | EPOLLHUP | EPOLLERR)) *wr = 1;
             if (conn_pump(self, c) < 0) goto error;
         }
