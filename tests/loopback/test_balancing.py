@@ -11,6 +11,8 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
 from kube_userspace_proxy import app
 from kube_userspace_proxy.dataplane.steering import worker_of
 from kube_userspace_proxy.model import Path as TrafficPath
@@ -26,6 +28,9 @@ from tests.loopback.proxyrun import (
     wait_for,
     write_manifests,
 )
+
+# Every test here runs over both TCP data planes (tests/conftest.py `dataplane`).
+pytestmark = pytest.mark.usefixtures("dataplane")
 
 WORKERS = 2
 CLIENTS = [f"127.0.{i}.{j}" for i in (1, 2) for j in range(2, 14)]

@@ -230,7 +230,10 @@ async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 async def test_a_killed_worker_is_restarted_and_the_others_keep_serving(
-    tmp_path: Path, proxy_with_workers: app.Proxy, backends: list[tuple[str, int, asyncio.Server]]
+    dataplane: str,  # first: the workers start with this data plane (both are run)
+    tmp_path: Path,
+    proxy_with_workers: app.Proxy,
+    backends: list[tuple[str, int, asyncio.Server]],
 ) -> None:
     proxy = proxy_with_workers
     pool = proxy.workers
