@@ -2,17 +2,22 @@
 # being src/kube_userspace_proxy/__init__.py's __version__ (the one place it is written; the
 # chart's appVersion is checked against it by tests/unit/test_packaging.py).
 #
-# Build stage: python-iptables has a small C extension (and no wheels), so wheels for the
-# package and all its dependencies are built here, with a compiler the final image does not carry.
+# Build stage: python-iptables has a small C extension (and no wheels), and so has this package
+# (the native data plane, src/kube_userspace_proxy/dataplane/_native.c), so wheels for the
+# package and all its dependencies are built here, with a compiler the final image does not
+# carry. KUP_REQUIRE_NATIVE=1: a native data plane that does not build fails the image build
+# (elsewhere it is optional, and the Python data plane serves).
 FROM python:3.11-slim AS build
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md LICENSE constraints.txt ./
+COPY pyproject.toml setup.py README.md LICENSE constraints.txt ./
 COPY src ./src
 # constraints.txt pins every package (direct and indirect): a rebuild gets what was tested.
-RUN pip wheel --no-cache-dir --wheel-dir /wheels -c constraints.txt .
+RUN KUP_REQUIRE_NATIVE=1 pip wheel --no-cache-dir --wheel-dir /wheels -c constraints.txt . \
+ && python -c "import glob, sys, zipfile; (w,) = glob.glob('/wheels/kube_userspace_proxy-*.whl'); \
+sys.exit(not any(n.endswith('.so') for n in zipfile.ZipFile(w).namelist()))"
 
 FROM python:3.11-slim
 LABEL org.opencontainers.image.title="kube-userspace-proxy" \

@@ -6,7 +6,8 @@ proxy then serves with the Python data plane and says so once at start.
 
 Flags: warnings are errors and the usual hardening (stack protector, _FORTIFY_SOURCE, full
 RELRO). KUP_SANITIZE=1 builds it with AddressSanitizer and UndefinedBehaviorSanitizer for the
-sanitizer run of the tests (scripts/dev sanitize).
+sanitizer run of the tests (scripts/dev sanitize). KUP_REQUIRE_NATIVE=1 makes a failed build
+an error instead (the Dockerfile's build stage: the image always has the native data plane).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ setup(
             ["src/kube_userspace_proxy/dataplane/_native.c"],
             extra_compile_args=CFLAGS,
             extra_link_args=LDFLAGS,
-            optional=True,
+            optional=not os.environ.get("KUP_REQUIRE_NATIVE"),
         )
     ]
 )

@@ -108,6 +108,7 @@ async def test_a_flood_of_silent_connections_is_served_and_then_freed(
     tcp_listener: Listeners,
     round_robin: Any,
     eventually: Eventually,
+    *,
     open_fds: Callable[[], int],
     how: str,
 ) -> None:
