@@ -1,9 +1,10 @@
 """Data-plane throughput and connection rate through TcpListener vs direct, on 127.0.0.1.
 
 One run, its own backends, bounded in bytes, rounds and seconds. Processes: this one (the
-clients), a backend process, and a proxy process per mode (splice on, splice off; with
-`--baseline SRC` the same modes again from another checkout's `src`, e.g. today's main, so
-before and after are measured side by side). Reports:
+clients), a backend process, and a proxy process per mode (native: the native data plane;
+splice: the Python data plane; copy: the Python data plane without splice; haproxy: HAProxy
+`nbthread 1`, the reference; with `--baseline SRC` the Python modes again from another
+checkout's `src`, e.g. today's main, so before and after are measured side by side). Reports:
 
   (a) bulk: `--bytes` (default 1 GiB; 0 skips it) sent client -> backend, direct and through
       the proxy; throughput, ratio to direct, and the proxy's CPU seconds per GiB (from /proc).
@@ -15,13 +16,16 @@ before and after are measured side by side). Reports:
       direct, and the proxy's CPU microseconds per request.
 
 Each figure is the median of `--rounds` interleaved rounds; `sys` is the share of the proxy's
-CPU time spent in the kernel. `--profile DIR` records each proxy process with py-spy (the
-`bench` extra) over the whole run, as collapsed stacks (DIR/PATH.txt, for flamegraph.pl or
-speedscope).
+CPU time spent in the kernel. `--syscalls`: after the rounds, one more connection run and one
+more keep-alive run per path with `strace -c -f` attached to the proxy process: system calls
+per proxied connection and per keep-alive request, by name (strace slows the proxy; the counts
+per unit of work are what it gives, not rates). `--profile DIR` records each proxy process
+with py-spy (the `bench` extra) over the whole run, as collapsed stacks (DIR/PATH.txt, for
+flamegraph.pl or speedscope).
 
     .venv/bin/python benchmarks/loopback.py [--bytes 1073741824] [--seconds 2] [--rounds 3]
-        [--concurrency 32] [--loop uvloop|asyncio] [--modes splice,copy,haproxy]
-        [--baseline /tmp/base/src] [--profile DIR] [--json]
+        [--concurrency 32] [--loop uvloop|asyncio] [--modes native,splice,copy,haproxy]
+        [--baseline /tmp/base/src] [--profile DIR] [--syscalls] [--json]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import multiprocessing as mp
 import operator
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -146,16 +151,21 @@ def proxy_main(  # noqa: PLR0917 - multiprocessing passes arguments by position
     loop_kind: str,
     src: str | None = None,
     keepalive: float | None = None,
+    dataplane: str = "python",
 ) -> None:
     """One TcpListener per backend; sends back {name: proxy port}; runs until told to stop.
 
     `src`: import the proxy from this source tree (a baseline checkout) instead.
+    `dataplane`: native or python (a baseline that predates the choice has only python).
     """
     if src is not None:
         sys.path.insert(0, src)
     from kube_userspace_proxy.balancer import EndpointPool
-    from kube_userspace_proxy.dataplane import ConnStats, TcpListener
+    from kube_userspace_proxy.dataplane import ConnStats, TcpListener, tcp
     from kube_userspace_proxy.model import Endpoint, ServicePortName
+
+    if hasattr(tcp, "set_default"):
+        tcp.set_default(dataplane)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -402,8 +412,9 @@ def main() -> int:
     parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     parser.add_argument(
         "--modes",
-        default="splice,copy,haproxy",
-        help="paths besides direct: splice, copy (our proxy), haproxy (reference, if installed)",
+        default="native,splice,copy,haproxy",
+        help="paths besides direct: native, splice (Python), copy (Python without splice),"
+        " haproxy (reference, if installed)",
     )
     parser.add_argument(
         "--baseline",
@@ -417,6 +428,11 @@ def main() -> int:
         help="TCP keepalive of our proxy (default: the listener's; 0: off); not the baseline's",
     )
     parser.add_argument("--profile", metavar="DIR", help="py-spy each proxy into DIR/PATH.txt")
+    parser.add_argument(
+        "--syscalls",
+        action="store_true",
+        help="also count each proxy's system calls per connection and per request (strace)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -457,10 +473,14 @@ def main() -> int:
                 paths["haproxy"], pids["haproxy"] = ports, haproxy.pid
                 continue
             trees = [("proxy", None)] + ([("base", args.baseline)] if args.baseline else [])
+            if mode == "native":
+                trees = trees[:1]  # a baseline from before the native data plane has none
             for label, src in trees:
                 keepalive = args.keepalive if src is None else None  # main has no such setting
+                plane = "native" if mode == "native" else "python"
+                splice = mode != "copy"
                 proc, conn, ports = start(
-                    proxy_main, addresses, mode == "splice", args.loop, src, keepalive
+                    proxy_main, addresses, splice, args.loop, src, keepalive, plane
                 )
                 name = f"{label}-{mode}"
                 proxies[name] = (proc, conn)
@@ -502,6 +522,12 @@ def main() -> int:
                 if pid and count:
                     cpu = cpu_seconds(pid) - cpu0
                     got.setdefault("proxy_cpu_us_per_req", []).append(cpu / count * 1e6)
+        if args.syscalls:
+            for name, ports in paths.items():
+                if pids[name]:
+                    results.setdefault("syscalls", {})[name] = count_syscalls(
+                        pids[name], ports, args
+                    )
         for name, pid in pids.items():
             if pid:  # the share of the proxy's CPU time spent in the kernel (syscalls)
                 user, system = map(operator.sub, cpu_split(pid), split0[name])
@@ -571,7 +597,88 @@ def main() -> int:
             f" {fmt(e, 'system_share', '.2f'):>4} {e['errors']:>6}"
         )
     print_ratios(results["paths"])
+    if "syscalls" in results:
+        print_syscalls(results["syscalls"])
     return 0
+
+
+# --- system calls per unit of work (strace -c)
+
+STRACE_ROW = re.compile(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:(\d+)\s+)?(\w+)\s*$")
+
+
+def strace_counts(path: str) -> dict[str, int]:
+    """{syscall: calls} from an `strace -c` summary."""
+    counts: dict[str, int] = {}
+    with open(path) as summary:
+        for line in summary:
+            if (match := STRACE_ROW.match(line)) and match.group(3) != "total":
+                counts[match.group(3)] = counts.get(match.group(3), 0) + int(match.group(1))
+    return counts
+
+
+def traced(pid: int, run: Any, tmp: str) -> tuple[dict[str, int], int]:
+    """Run `run()` (returning the units of work done) with strace -c -f attached to `pid`:
+    ({syscall: calls}, units)."""
+    out = os.path.join(tmp, f"strace-{pid}-{time.monotonic_ns()}.txt")
+    tracer = subprocess.Popen(
+        ["strace", "-c", "-f", "-q", "-o", out, "-p", str(pid)], stderr=subprocess.DEVNULL
+    )
+    time.sleep(1.0)  # attached (strace gives no signal; a second is plenty for one process)
+    try:
+        units = run()
+    finally:
+        tracer.send_signal(signal.SIGINT)  # strace writes its summary as it detaches
+        try:
+            tracer.wait(30)
+        except subprocess.TimeoutExpired:
+            tracer.kill()
+            tracer.wait()
+    return strace_counts(out), units
+
+
+def count_syscalls(pid: int, ports: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
+    """System calls of the proxy process per new connection and per keep-alive request."""
+    if shutil.which("strace") is None:
+        raise SystemExit("--syscalls needs strace (apt-get install strace)")
+    tmp = tempfile.mkdtemp(prefix="kup-strace-")
+    try:
+        conn, conns = traced(
+            pid, lambda: cps(ports["rr"], args.seconds, args.concurrency, args.loop)[1], tmp
+        )
+        req, reqs = traced(
+            pid,
+            lambda: cps(ports["ka"], args.seconds, args.concurrency, args.loop, keepalive=True)[1],
+            tmp,
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "connections": conns,
+        "requests": reqs,
+        "per_connection": {k: v / conns for k, v in sorted(conn.items())} if conns else {},
+        "per_request": {k: v / reqs for k, v in sorted(req.items())} if reqs else {},
+    }
+
+
+def print_syscalls(syscalls: dict[str, Any]) -> None:
+    """A Markdown table: system calls per connection and per request, by name and in all."""
+    names = sorted(
+        {k for got in syscalls.values() for k, v in got["per_connection"].items() if v >= 0.05}
+    )
+    paths = list(syscalls)
+    print()
+    print("| system calls per proxied connection | " + " | ".join(paths) + " |")
+    print("|---|" + "---:|" * len(paths))
+    for name in names:
+        cells = [f"{syscalls[p]['per_connection'].get(name, 0):.2f}" for p in paths]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    for key, label in (
+        ("per_connection", "per connection"),
+        ("per_request", "per keep-alive request"),
+    ):
+        cells = [f"**{sum(syscalls[p][key].values()):.2f}**" for p in paths]
+        print(f"| **all, {label}** | " + " | ".join(cells) + " |")
 
 
 def print_ratios(paths: dict[str, Any]) -> None:

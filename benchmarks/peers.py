@@ -10,6 +10,8 @@ chosen by client address; the client namespace SNATs its connections to them in 
   kernel      kube-proxy's iptables mode: DNAT in the node namespace (the baseline)
   proxy-1     `kube-userspace-proxy run --workers 1` (its own REDIRECT rules)
   proxy-auto  `kube-userspace-proxy run` with the default `--workers auto` (N processes)
+              (both with the default `--dataplane auto`: the native data plane)
+  py-1, py-auto   the same with `--dataplane python` (the reference data plane)
   haproxy     Debian's HAProxy, `mode tcp`, `balance roundrobin`, `nbthread N`
   haproxy-1   the same with `nbthread 1` (one core, as `--workers 1`)
   nginx       Debian's nginx stream module, `worker_processes N`, round robin
@@ -151,6 +153,8 @@ PEERS = (
     "kernel",
     "proxy-1",
     "proxy-auto",
+    "py-1",
+    "py-auto",
     "haproxy",
     "haproxy-1",
     "nginx",
@@ -395,6 +399,7 @@ def wait_listening(
 
 
 _TRANSPARENT = ("--preserve-source-ip", "--hostname-override", "node")
+_PYTHON_PLANE = ("--dataplane", "python")
 
 
 def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[Peer]:
@@ -417,6 +422,22 @@ def make_peers(backend: str, clients: int, baseline: str | None = None) -> list[
             *at(2),
             workers="auto",
             backend=backend,
+        ),
+        ThisProxy(
+            "py-1",
+            "this proxy, --workers 1 --dataplane python",
+            *at(13),
+            workers="1",
+            backend=backend,
+            extra=_PYTHON_PLANE,
+        ),
+        ThisProxy(
+            "py-auto",
+            f"this proxy, --workers auto ({WORKERS}) --dataplane python",
+            *at(14),
+            workers="auto",
+            backend=backend,
+            extra=_PYTHON_PLANE,
         ),
         Haproxy("haproxy", f"{haproxy.split('-')[0]}, nbthread {WORKERS}", *at(3), threads=WORKERS),
         Haproxy("haproxy-1", f"{haproxy.split('-')[0]}, nbthread 1", *at(11), threads=1),
@@ -701,7 +722,7 @@ def _per_gib(sample: dict[str, Any], key: str) -> float | None:
     return sum(r[key] for r in runs) / (sum(r["bytes"] for r in runs) / GiB)
 
 
-REFERENCES = ("haproxy", "protocol", "protocol-auto", "go-userspace")
+REFERENCES = ("haproxy", "haproxy-1", "protocol", "protocol-auto", "go-userspace")
 
 
 def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -848,6 +869,7 @@ def markdown(results: dict[str, Any]) -> str:
             cells.append("—" if ratio is None else f"{ratio:.2f}")
         lines.append(f"| {fig.label} | " + " | ".join(cells) + " |")
     for reference, text in (
+        ("haproxy-1", "HAProxy nbthread 1 (the targets of the native data plane)"),
         ("protocol", "the minimal Protocol proxy (the floor; own overhead is CPU per request)"),
         (
             "protocol-auto",
@@ -857,7 +879,7 @@ def markdown(results: dict[str, Any]) -> str:
     ):
         if reference not in peers:
             continue
-        mine = [p for p in peers if p.startswith(("proxy-", "base-"))]
+        mine = [p for p in peers if p.startswith(("proxy-", "py-", "base-", "tproxy-"))]
         lines += [
             "",
             f"Ratios to {text}:",

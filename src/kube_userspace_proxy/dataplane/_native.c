@@ -846,6 +846,10 @@ static PyObject *Core_add_listener(Core *self, PyObject *args) {
     struct epoll_event ev;
     ev.events = EPOLLIN;
     ev.data.u64 = ((uint64_t)lid << 2) | TAG_LISTENER;
+    /* No Nagle on either side, as uvloop's transports (the Python data plane): accepted
+     * sockets inherit it from the listening socket, a dialed one gets it after socket(). */
+    int nodelay = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &nodelay, sizeof(nodelay));
     if (epoll_ctl(self->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
         if (lid == self->nls - 1) self->nls--;
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -934,6 +938,10 @@ static PyObject *Core_dial(Core *self, PyObject *args, PyObject *kwds) {
     }
     int fd = socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     int err = 0;
+    if (fd >= 0) {
+        int nodelay = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &nodelay, sizeof(nodelay));
+    }
     if (fd < 0) {
         err = errno;
     } else if (bind_host && *bind_host) {
