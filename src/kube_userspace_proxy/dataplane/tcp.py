@@ -485,45 +485,51 @@ class TcpListener:
 
     async def drain(self, timeout: float) -> None:  # noqa: ASYNC109 - the contract's shape
         """Wait up to `timeout` seconds for connections in flight, then close the rest (FIN)."""
-        if self._plane is not None:
-            await self._drain_native(self._plane, timeout)
-            return
-        shared = self._shared
-        if shared is not None and shared.conns:
+        plane, shared = self._plane, self._shared
+        if plane is not None:
+            if plane.active(self):
+                self._idle_waiter = self.loop.create_future()
+                try:
+                    await self._wait_idle(
+                        self._idle_waiter,
+                        timeout,
+                        lambda: plane.active(self),
+                        lambda: plane.close_connections(self),
+                    )
+                finally:
+                    self._idle_waiter = None
+        elif shared is not None and shared.conns:
+            conns = shared.conns
             shared.idle = self.loop.create_future()
             try:
-                async with asyncio.timeout(timeout):
-                    await shared.idle
-            except TimeoutError:
-                log.info(
-                    "%s: closing %d connections still open after %.1fs",
-                    self.name,
-                    len(shared.conns),
+                await self._wait_idle(
+                    shared.idle,
                     timeout,
+                    lambda: len(conns),
+                    functools.partial(_abort_all, conns),
                 )
-                for conn in list(shared.conns):
-                    # A FIN, as a process exit would send: shutting down is not an error.
-                    conn.abort(reset=False)
             finally:
                 shared.idle = None
 
-    async def _drain_native(self, plane: native.NativePlane, timeout: float) -> None:  # noqa: ASYNC109
-        if not plane.active(self):
-            return
-        self._idle_waiter = self.loop.create_future()
+    async def _wait_idle(
+        self,
+        idle: asyncio.Future[None],
+        timeout: float,  # noqa: ASYNC109 - drain's
+        still_open: Callable[[], int],
+        close: Callable[[], object],
+    ) -> None:
+        """Wait for `idle`; after `timeout` seconds close what is still open (and say so)."""
         try:
             async with asyncio.timeout(timeout):
-                await self._idle_waiter
+                await idle
         except TimeoutError:
             log.info(
                 "%s: closing %d connections still open after %.1fs",
                 self.name,
-                plane.active(self),
+                still_open(),
                 timeout,
             )
-            plane.close_connections(self)
-        finally:
-            self._idle_waiter = None
+            close()
 
     @property
     def address(self) -> tuple[Any, ...]:
@@ -560,3 +566,9 @@ class TcpListener:
             if conn.pump_out is not None:
                 total += conn.pump_out.pending
         return total
+
+
+def _abort_all(conns: Collection[Connection]) -> None:
+    """End every connection with a FIN, as a process exit would: shutting down is no error."""
+    for conn in list(conns):
+        conn.abort(reset=False)
