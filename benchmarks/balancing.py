@@ -205,10 +205,13 @@ def load(
 class Run:
     """One proxy in the node namespace (started, checked, stopped by PID)."""
 
+    dataplane = "auto"  # --dataplane of every run (main() sets it)
+
     def __init__(self, topo: Topology, tmp: Path, name: str, *flags: str) -> None:
         path = tmp / f"{name}.yaml"
         write_manifest(path, manifest("rr"))
-        self.proxy = Proxy(topo, "restore", path, tmp / f"{name}.log", ("--workers", "2", *flags))
+        flags = ("--workers", "2", "--dataplane", Run.dataplane, *flags)
+        self.proxy = Proxy(topo, "restore", path, tmp / f"{name}.log", flags)
         self.path = path
 
     def start(self, scheduler: str) -> None:
@@ -343,7 +346,9 @@ def markdown(result: dict[str, Any]) -> str:
         "# Balancing: rr against lc, ejection against a blackholed endpoint, sh's stability",
         "",
         f"`python benchmarks/balancing.py` on {m['cpus']} CPUs ({m['cpu_model']}), "
-        f"src {m['commit']}, {m['date']}; load average before: {m['load_before']}.",
+        f"src {m['commit']}, {m['date']}; load average before: {m['load_before']};"
+        f" `--dataplane {result['args'].get('dataplane', 'auto')}`"
+        f" ({result.get('dataplane', 'the Python one: before the native data plane')}).",
         "",
         "## Spread of open connections per endpoint (3 pods, 2 workers)",
         "",
@@ -426,13 +431,24 @@ def chart(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def dataplane_serving(flag: str) -> str:
+    """The TCP data plane `--dataplane flag` resolves to in this installation."""
+    from kube_userspace_proxy.dataplane import tcp
+
+    return f"the {tcp.resolve(flag)} data plane"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--spread-rate", type=float, default=40.0, help="connections/s")
     parser.add_argument("--spread-seconds", type=float, default=20.0, help="seconds per run")
     parser.add_argument("--blackhole-count", type=int, default=250, help="connections per path")
     parser.add_argument("--out", type=Path, default=RESULTS / "balancing")
+    parser.add_argument(
+        "--dataplane", choices=("auto", "native", "python"), default="auto", help="the proxy's"
+    )
     args = parser.parse_args()
+    Run.dataplane = args.dataplane
     if args.blackhole_count > 2000 or args.spread_rate * args.spread_seconds > 5000:
         parser.error("bounded: at most 2000 blackhole connections and 5000 spread ones")
     with open("/proc/loadavg") as f:
@@ -446,6 +462,7 @@ def main() -> int:
             "load_before": load_before,
         },
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "dataplane": dataplane_serving(args.dataplane),
     }
     result["sh"] = sh_share()
     with tempfile.TemporaryDirectory(prefix="kup-balancing-") as tmp_dir:

@@ -1212,6 +1212,22 @@ static PyObject *Core_close(Core *self, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
+/* run(), then `handler(batch)` only when the batch has something for Python: the loop's reader
+ * callback, so a wakeup that only moved bytes runs no Python frame at all. */
+static PyObject *Core_dispatch(Core *self, PyObject *handler) {
+    PyObject *out = Core_run(self, NULL);
+    if (!out) return NULL;
+    if (PyList_GET_SIZE(out) == 0) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    PyObject *r = PyObject_CallOneArg(handler, out);
+    Py_DECREF(out);
+    if (!r) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Core_methods[] = {
     {"fileno", METH(Core_fileno), METH_NOARGS, "The epoll descriptor to watch."},
     {"add_listener", METH(Core_add_listener), METH_VARARGS,
@@ -1222,6 +1238,8 @@ static PyMethodDef Core_methods[] = {
     {"reset", METH(Core_reset), METH_O, "Reset a connection (the client gets a RST)."},
     {"client_fd", METH(Core_client_fd), METH_O, "The client's descriptor of `conn`."},
     {"run", METH(Core_run), METH_NOARGS, "Handle every ready event; the batch for Python."},
+    {"dispatch", METH(Core_dispatch), METH_O,
+     "dispatch(handler): run(), then handler(batch) if the batch is not empty."},
     {"counts", METH(Core_counts), METH_NOARGS, "Bytes moved by open connections."},
     {"close_connections", METH(Core_close_connections), METH_VARARGS,
      "close_connections(obj, reset=False) -> the EV_CLOSED events of obj's connections."},
