@@ -104,6 +104,19 @@ def test_the_readme_is_at_most_400_lines() -> None:
     assert lines <= MAX_README_LINES, f"README.md has {lines} lines; move the rest to docs/"
 
 
+def test_the_readme_shows_two_pictures_before_its_first_section() -> None:
+    # A reader looks at pictures before reading: the /debug/ui screenshot and a benchmark
+    # chart, as PNGs in the repository, above the Quick start.
+    text = (ROOT / "README.md").read_text()
+    top = text[: text.index("\n## ")]
+    pictures = re.findall(r'<img src="([^"]+\.png)"', top)
+    assert len(pictures) >= 2, pictures
+    assert any("debug-ui" in p for p in pictures) and any("peers" in p for p in pictures)
+    for picture in pictures:
+        assert (ROOT / picture).is_file(), picture
+        assert (ROOT / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", picture
+
+
 def test_every_package_has_an_init_docstring() -> None:
     packages = sorted({path.parent for path in _sources()})
     assert PACKAGE in packages

@@ -76,6 +76,10 @@ def make_backend(kind: str) -> Backend | None:
     if kind != "auto":
         raise PortalsError(f"unknown iptables backend {kind!r} (auto, iptc, restore, none)")
     mode = host_mode()
+    if binary(4, mode, "restore") is None:
+        # Neither legacy nor nft tools: python-iptables would fail too (it needs libiptc and
+        # libxtables from the same package); one line, no traceback.
+        raise PortalsError(NO_IPTABLES)
     if mode == "legacy":
         try:
             return _iptc()
@@ -84,14 +88,23 @@ def make_backend(kind: str) -> Backend | None:
     return RestoreBackend(mode)
 
 
+NO_IPTABLES = (
+    "no usable iptables on this host (iptables-legacy-restore and iptables-nft-restore are not"
+    " installed): install the iptables package (Debian: apt-get install iptables), or run"
+    " with --iptables-backend none to proxy without rules"
+)
+
+
 def _iptc() -> Backend:
     try:
-        # Imported on demand: python-iptables loads libiptc and libxtables when imported.
+        # Imported on demand: python-iptables loads libiptc and libxtables when imported, and
+        # fails with its own XTablesError (not an OSError) when it cannot find them.
         from kube_userspace_proxy.portals.iptc import IptcBackend  # noqa: PLC0415
-    except (ImportError, OSError) as exc:
+    except Exception as exc:  # ImportError, OSError, python-iptables' own XTablesError
         raise PortalsError(
-            f"python-iptables cannot load libiptc ({exc}); install the iptables package"
-        ) from exc
+            f"--iptables-backend iptc: python-iptables cannot load libiptc/libxtables ({exc});"
+            " install the iptables package, or choose --iptables-backend restore or none"
+        ) from None
     return IptcBackend()
 
 

@@ -139,7 +139,10 @@ def default_mode() -> str:
     """The mode of the system's plain `iptables` command: "nft" or "legacy"."""
     exe = shutil.which("iptables") or shutil.which("iptables", path="/usr/sbin:/sbin")
     if exe is None:
-        raise PortalsError("iptables is not installed (install the iptables package)")
+        raise PortalsError(
+            "--iptables-backend restore: iptables is not installed; install the iptables"
+            " package, or run with --iptables-backend none"
+        )
     out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False).stdout
     return "nft" if "nf_tables" in out else "legacy"
 
@@ -270,7 +273,10 @@ class RestoreBackend:
         self._known: dict[tuple[Family, str], tuple[int, TableView]] = {}
         self._pool: ThreadPoolExecutor | None = None
         if binary(4, self.mode, "restore") is None:
-            raise PortalsError(f"iptables-{self.mode}-restore is not installed")
+            raise PortalsError(
+                f"--iptables-backend restore: iptables-{self.mode}-restore is not installed;"
+                " install the iptables package, or run with --iptables-backend none"
+            )
 
     def locked(self, family: Family) -> contextlib.AbstractContextManager[None]:
         # iptables-restore takes the lock itself (-w); holding it here would deadlock.
