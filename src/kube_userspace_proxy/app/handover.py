@@ -139,6 +139,8 @@ async def hand_over(proxy: Proxy, stop: asyncio.Event) -> None:
     --after-handover=wait) stay until SIGTERM."""
     config = proxy.config
     log.info("handed over: no new connections here; open ones get %.1fs", config.shutdown_grace)
+    if proxy.state_lock is not None:
+        proxy.state_lock.release()  # the state directory is the new process's now
     if proxy.ops is not None:
         await proxy.ops.close()
     await proxy.service_health.close()

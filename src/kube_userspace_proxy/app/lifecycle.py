@@ -28,7 +28,7 @@ from kube_userspace_proxy.model import Snapshot
 from kube_userspace_proxy.ops.health import watch_lag
 from kube_userspace_proxy.ops.metrics import ProxyMetrics, SourceCounters
 from kube_userspace_proxy.ops.server import start_ops
-from kube_userspace_proxy.restart import handover, statefile
+from kube_userspace_proxy.restart import handover, statefile, statelock
 
 log = logs.get(__name__)
 T = TypeVar("T")
@@ -69,11 +69,15 @@ async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> 
         try:
             # Before anything in it is read or listened to: others must not write there.
             statefile.check_directory(config.state_dir)
+            proxy.state_lock = _lock_state_dir(config.state_dir)
             taken = await handover.take(
                 config.state_dir,
                 proxy.workers.count if proxy.workers else 1,
                 wait_exit=config.shutdown_grace + 30,
             )
+            if proxy.state_lock is None and taken is None:
+                # Held, and its holder did not hand over (or it has just exited).
+                proxy.state_lock = _lock_state_dir(config.state_dir, required=True)
         except ProxyError as exc:
             log.error("%s", exc)
             return 1
@@ -87,6 +91,15 @@ async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> 
             loop.add_signal_handler(sig, _on_signal, sig, stop)
     if not await _startup(proxy, taken, saved):
         return 1
+    if config.state_dir and proxy.state_lock is None:
+        # The surge: the old process lets the directory go as it hands over.
+        proxy.state_lock = await statelock.acquire(config.state_dir, config.shutdown_grace + 30)
+        if proxy.state_lock is None:
+            log.warning(
+                "the state directory %s is still locked by pid %s after the handover",
+                config.state_dir,
+                statelock.holder(config.state_dir),
+            )
     outcome = await _main_loop(proxy, stop, started)
     await _shutdown(proxy, stop)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -98,6 +111,24 @@ async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> 
     else:
         log.info("stopped (this process installed no iptables rules)")
     return 0 if outcome == "stopped" else 1
+
+
+def _lock_state_dir(directory: str, *, required: bool = False) -> statelock.StateLock | None:
+    """This process's lock on the state directory; None while another proxy holds it (a
+    ProxyError naming it and its PID when `required`)."""
+    try:
+        lock = statelock.try_acquire(directory)
+    except OSError as exc:
+        raise ProxyError(
+            f"--state-dir {directory}: cannot lock {statelock.lock_path(directory)}: {exc}"
+        ) from None
+    if lock is None and required:
+        raise ProxyError(
+            f"--state-dir {directory} is in use by another proxy process (pid"
+            f" {statelock.holder(directory) or 'unknown'}), which did not hand over: one"
+            " process a state directory; stop that one, or give this one another --state-dir"
+        )
+    return lock
 
 
 async def _startup(

@@ -37,7 +37,7 @@ from kube_userspace_proxy.proxier.contracts import DataPlane
 from kube_userspace_proxy.proxier.local import LocalDataPlane
 from kube_userspace_proxy.proxier.nodeports import local_addresses_in
 from kube_userspace_proxy.proxier.reconciler import Proxier
-from kube_userspace_proxy.restart import statefile
+from kube_userspace_proxy.restart import statefile, statelock
 from kube_userspace_proxy.workers.pool import WorkerPool
 
 log = logs.get(__name__)
@@ -87,6 +87,8 @@ class Proxy:
         self.health = ProxyHealth(config.sync_period, families=_families(config.bind_address))
         self.ops: OpsServer | None = None
         self.handed_over = False
+        self.state_lock: statelock.StateLock | None = None
+        """This process's lock on --state-dir (restart/statelock.py), once it owns it."""
         """True once a new process took every socket over (this one releases and drains)."""
         # Both held through a handover: nothing changes meanwhile. Syncs (rule commits
         # included) and applies each have their own, so an apply need not wait for a commit.
