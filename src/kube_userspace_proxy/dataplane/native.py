@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 import socket
 from typing import TYPE_CHECKING, Any
@@ -74,7 +75,7 @@ class NativePlane:
     ended), which is what `TcpListener.active_connections` and `drain` read.
     """
 
-    __slots__ = ("_closing", "core", "listeners", "loop", "open")
+    __slots__ = ("_closing", "core", "idle", "listeners", "loop", "open")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         if _native is None:
@@ -86,6 +87,8 @@ class NativePlane:
         # The listeners that use this plane (started, not closed): the plane closes, with its
         # three descriptors, once none is left and no connection is open.
         self.listeners: set[TcpListener] = set()
+        # drain(): per listener, resolved when its last connection ends.
+        self.idle: dict[TcpListener, asyncio.Future[None]] = {}
         self._closing = False
         # A wakeup that only moved bytes calls no Python: the core runs, and calls _handle
         # only with a batch of events that need a decision or a count.
@@ -136,6 +139,19 @@ class NativePlane:
     def splice(self) -> bool:
         """False once splice(2) proved unusable here (the core copies from then on)."""
         return bool(self.core.stats()["splice"])
+
+    async def drain(self, listener: TcpListener, timeout: float) -> None:  # noqa: ASYNC109
+        """`TcpListener.drain` for this plane: wait, then close what is left (FIN)."""
+        from kube_userspace_proxy.dataplane.tcp import wait_idle  # noqa: PLC0415 - tcp imports us
+
+        if not self.active(listener):
+            return
+        self.idle[listener] = idle = self.loop.create_future()
+        try:
+            close = functools.partial(self.close_connections, listener)
+            await wait_idle(listener.name, idle, timeout, lambda: self.active(listener), close)
+        finally:
+            self.idle.pop(listener, None)
 
     def close_connections(self, listener: TcpListener, *, reset: bool = False) -> None:
         """End every connection of `listener` now (a FIN each, or a reset)."""
@@ -291,7 +307,9 @@ class NativePlane:
             self.open[listener] = left
             return
         self.open.pop(listener, None)
-        listener.idle()
+        waiter = self.idle.get(listener)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
         if listener not in self.listeners:
             self._close_if_unused()
 

@@ -167,7 +167,6 @@ class TcpListener:
         "_dial_timeouts",
         "_family",
         "_high_water",
-        "_idle_waiter",
         "_keepalive",
         "_lid",
         "_listening",
@@ -244,7 +243,6 @@ class TcpListener:
         """`native` or `python`: which data plane serves this port's connections."""
         self._plane: native.NativePlane | None = None  # the native plane, once started
         self._lid = -1  # the native plane's id of the listening socket while it accepts
-        self._idle_waiter: asyncio.Future[None] | None = None  # drain(), native plane
 
     @property
     def settings(self) -> Settings:
@@ -385,12 +383,6 @@ class TcpListener:
         if self._listening and self._sock is not None and self._resume is None:
             self._pause_accepting(self._sock)
 
-    def idle(self) -> None:
-        """The native plane's last connection of this listener ended (drain waits for it)."""
-        waiter = self._idle_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
     def _accept(self) -> None:
         """The listening socket is readable: accept a burst of connections."""
         lsock = self._sock
@@ -487,49 +479,15 @@ class TcpListener:
         """Wait up to `timeout` seconds for connections in flight, then close the rest (FIN)."""
         plane, shared = self._plane, self._shared
         if plane is not None:
-            if plane.active(self):
-                self._idle_waiter = self.loop.create_future()
-                try:
-                    await self._wait_idle(
-                        self._idle_waiter,
-                        timeout,
-                        lambda: plane.active(self),
-                        lambda: plane.close_connections(self),
-                    )
-                finally:
-                    self._idle_waiter = None
+            await plane.drain(self, timeout)
         elif shared is not None and shared.conns:
             conns = shared.conns
             shared.idle = self.loop.create_future()
             try:
-                await self._wait_idle(
-                    shared.idle,
-                    timeout,
-                    lambda: len(conns),
-                    functools.partial(_abort_all, conns),
-                )
+                close = functools.partial(_abort_all, conns)
+                await wait_idle(self.name, shared.idle, timeout, lambda: len(conns), close)
             finally:
                 shared.idle = None
-
-    async def _wait_idle(
-        self,
-        idle: asyncio.Future[None],
-        timeout: float,  # noqa: ASYNC109 - drain's
-        still_open: Callable[[], int],
-        close: Callable[[], object],
-    ) -> None:
-        """Wait for `idle`; after `timeout` seconds close what is still open (and say so)."""
-        try:
-            async with asyncio.timeout(timeout):
-                await idle
-        except TimeoutError:
-            log.info(
-                "%s: closing %d connections still open after %.1fs",
-                self.name,
-                still_open(),
-                timeout,
-            )
-            close()
 
     @property
     def address(self) -> tuple[Any, ...]:
@@ -572,3 +530,19 @@ def _abort_all(conns: Collection[Connection]) -> None:
     """End every connection with a FIN, as a process exit would: shutting down is no error."""
     for conn in list(conns):
         conn.abort(reset=False)
+
+
+async def wait_idle(
+    name: str,
+    idle: asyncio.Future[None],
+    timeout: float,  # noqa: ASYNC109 - drain's
+    still_open: Callable[[], int],
+    close: Callable[[], object],
+) -> None:
+    """Wait for `idle`; after `timeout` seconds close what is still open (and say so)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await idle
+    except TimeoutError:
+        log.info("%s: closing %d connections still open after %.1fs", name, still_open(), timeout)
+        close()

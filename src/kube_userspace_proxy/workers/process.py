@@ -212,8 +212,7 @@ class Worker:
         self._retired: list[TcpListener | UdpListener] = []
         # Sockets the same slot's worker of the process this one replaces handed over.
         self._adopted: dict[SocketKey, socket.socket] = {}
-        # Ports of the table this worker failed to open (EMFILE, say): reported with every
-        # answer, so the control process sends them again until they serve.
+        # Ports of the table it failed to open (EMFILE, say): reported with every answer.
         self._unserved: set[SocketKey] = set()
         self.udp_idle_timeout = 0.25
         self.tcp_keepalive = 15.0
