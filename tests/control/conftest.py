@@ -22,6 +22,7 @@ from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.model import Endpoint, ServicePortName, Snapshot
 from tests import polling
 from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.rbac import Rbac, chart_rules
 
 NODE = "node-1"
 PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
@@ -160,8 +161,10 @@ def logged(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixtur
 
 @pytest.fixture
 async def apiserver() -> AsyncIterator[FakeApiServer]:
-    """A fake kube-apiserver on 127.0.0.1 (ephemeral port), stopped at the end."""
+    """A fake kube-apiserver on 127.0.0.1 (ephemeral port), stopped at the end. It enforces
+    the chart's ClusterRole (tests/fakes/rbac.py): the proxy gets 403 for anything else."""
     server = FakeApiServer()
+    server.rbac = Rbac(chart_rules())
     await server.start()
     try:
         yield server

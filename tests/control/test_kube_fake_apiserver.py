@@ -98,6 +98,7 @@ async def test_watch_streams_changes_after_the_given_version(apiserver: FakeApiS
 
 
 async def test_real_client_writes_reach_watchers(apiserver: FakeApiServer, kubeconfig: str) -> None:
+    apiserver.rbac = None  # this client writes: it is not the proxy (whose role reads only)
     configuration = kclient.Configuration()
     await kconfig.load_kube_config(
         config_file=kubeconfig, client_configuration=configuration, persist_config=False

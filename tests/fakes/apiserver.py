@@ -28,10 +28,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from tests.fakes.rbac import Rbac
 
 Obj = dict[str, Any]
 
@@ -234,6 +237,9 @@ class FakeApiServer:
         self.gone_as_http_status = gone_as_http_status
         self.end_watches_at_once = False
         """Fault switch: every new watch ends cleanly right after its headers."""
+        self.rbac: Rbac | None = None
+        """When set, every resource request is authorized against these rules (the chart's
+        ClusterRole: tests/fakes/rbac.py); a request they do not allow gets 403 Forbidden."""
         self.accepted_tokens: set[str] | None = None
         """When set, resource requests must carry `Authorization: Bearer <one of these>`;
         others get 401 Unauthorized, as from kube-apiserver (see `rotate_token`)."""
@@ -544,6 +550,10 @@ class FakeApiServer:
                     given = request.headers.get("Authorization", "").removeprefix("Bearer ")
                     if given not in self.accepted_tokens:
                         raise ApiError(401, "Unauthorized", "Unauthorized")
+                if self.rbac is not None and plural in _GROUPS:
+                    denied = self.rbac.check(_GROUPS[plural], plural, verb)
+                    if denied is not None:
+                        raise ApiError(403, "Forbidden", denied)
                 if self.before_request is not None:
                     self.before_request(request)
                 hang = next((h for h in self._hangs if h.applies(plural, verb)), None)
@@ -840,6 +850,10 @@ def _merge_patch(target: Any, patch: Any) -> Any:
         else:
             result[key] = _merge_patch(result.get(key), value)
     return result
+
+
+_GROUPS = {kind.plural: kind.api_version.rpartition("/")[0] for kind in KINDS.values()}
+"""Each resource's API group ("" for the core group), for RBAC."""
 
 
 def _classify(request: web.Request) -> tuple[str, str]:

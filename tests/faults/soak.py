@@ -30,6 +30,7 @@ from typing import Any
 
 from tests.control.conftest import endpoint_slice, service
 from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.rbac import Rbac, chart_rules
 
 STABLE = ("stable-a", "stable-b")
 BACKEND_IPS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
@@ -152,6 +153,7 @@ async def run(
     """Soak the proxy for `warmup` + `measure` seconds; footprint sampled during `measure`."""
     result = Result()
     apiserver = FakeApiServer()
+    apiserver.rbac = Rbac(chart_rules())  # the chart's ClusterRole, enforced
     await apiserver.start()
     backend_port = _free_port()
     backends = Backends(backend_port)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.rbac import Rbac, chart_rules
 from tests.integration.netns import Netns
 
 T = TypeVar("T")
@@ -81,6 +82,7 @@ def api_in(ns: Netns) -> Iterator[ApiInNamespace]:
     thread = threading.Thread(target=loop.run_forever, name="fake-apiserver", daemon=True)
     thread.start()
     server = FakeApiServer()
+    server.rbac = Rbac(chart_rules())  # the chart's ClusterRole, enforced
     try:
         asyncio.run_coroutine_threadsafe(server.start(sock), loop).result(timeout=30)
         yield ApiInNamespace(server, loop)
