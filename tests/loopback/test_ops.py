@@ -347,7 +347,8 @@ async def test_fast_metrics_text_matches_the_registry(ops: Ops) -> None:
 
     assert port_samples(served) == port_samples(registry_text)
     # 12 TCP + 11 UDP series + proxy_ports + service_ports_over_descriptor_budget
-    assert len(port_samples(served)) == 25
+    # + dataplane_info
+    assert len(port_samples(served)) == 26
 
 
 # -- binding -------------------------------------------------------------------------------
