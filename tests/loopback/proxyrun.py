@@ -110,6 +110,15 @@ async def wait_for(predicate: Callable[[], Any], seconds: float = 30.0, what: st
     return await polling.eventually(predicate, what or repr(predicate), seconds, interval=0.02)
 
 
+def served_ports(state_dir: Path) -> dict[str, int]:
+    """Service port name -> proxy port, from `state_dir`'s state file (empty until written)."""
+    try:
+        document = json.loads((state_dir / "served.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {name: port for name, _, _, port in document["proxyPorts"]}
+
+
 LOOPBACK_RUN_FLAGS = (
     "--bind-address",
     "127.0.0.1",

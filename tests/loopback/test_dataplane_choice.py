@@ -5,7 +5,6 @@ without a C compiler, leaving the extension out."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -21,12 +20,14 @@ from kube_userspace_proxy.dataplane import native
 from tests.loopback.proxyrun import (
     ask,
     endpoint_slice,
+    served_ports,
     service,
     start_named_backends,
     wait_for,
     write_manifests,
 )
 
+WEB = "default/web:http"
 CLI = [sys.executable, "-m", "kube_userspace_proxy"]
 ROOT = Path(__file__).parents[2]
 FALLBACK = "the native data plane cannot serve"
@@ -81,7 +82,8 @@ async def test_the_data_plane_that_serves_is_said_in_the_log_and_in_metrics(
             60,
             "/metrics",
         )
-        port = await wait_for(lambda: _proxy_port(tmp_path / "state"), 60, "the state file")
+        state = tmp_path / "state"
+        port = await wait_for(lambda: served_ports(state).get(WEB), 60, "the state file")
         assert await ask(port) == "pod-a"
     finally:
         proc.terminate()
@@ -92,16 +94,6 @@ async def test_the_data_plane_that_serves_is_said_in_the_log_and_in_metrics(
     assert f'kube_userspace_proxy_dataplane_info{{dataplane="{serves}"}} 1' in text
     assert f"TCP data plane: {serves}" in logged
     assert logged.count(FALLBACK) == (1 if (flag, extension) == ("auto", False) else 0), logged
-
-
-def _proxy_port(state: Path) -> int | None:
-    """default/web:http's proxy port, from the state file (None until it is written)."""
-    try:
-        document = json.loads((state / "served.json").read_text())
-    except (OSError, ValueError):
-        return None
-    ports = {name: port for name, _, _, port in document["proxyPorts"]}
-    return ports.get("default/web:http")
 
 
 def test_native_without_the_extension_is_one_line_and_exit_1(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ syncs again, and a later successor still takes over cleanly.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from tests.loopback.proxyrun import (
     LOOPBACK_RUN_FLAGS,
     ask,
     endpoint_slice,
+    served_ports,
     service,
     start_named_backends,
     wait_for,
@@ -24,15 +24,6 @@ from tests.loopback.proxyrun import (
 )
 
 CLI = [sys.executable, "-m", "kube_userspace_proxy"]
-
-
-def _ports(state: Path) -> dict[str, int]:
-    """Service port name -> proxy port, from the state file (empty until it is written)."""
-    try:
-        document = json.loads((state / "served.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return {name: port for name, _, _, port in document["proxyPorts"]}
 
 
 async def _answers(port: int) -> str:
@@ -60,7 +51,8 @@ async def test_a_successor_that_goes_away_half_way_leaves_the_proxy_serving(
         with open(logs[0], "wb") as out:
             procs.append(subprocess.Popen([*CLI, "run", *flags], stdout=out, stderr=out))
         await wait_for(lambda: handover.socket_path(str(state)).exists(), 30, "handover.sock")
-        port = (await wait_for(lambda: _ports(state), 10, "the state file"))["default/web:http"]
+        ports = await wait_for(lambda: served_ports(state), 10, "the state file")
+        port = ports["default/web:http"]
         assert await _answers(port) == "pod-a"
 
         # Take everything, then vanish before "serving".
@@ -73,7 +65,7 @@ async def test_a_successor_that_goes_away_half_way_leaves_the_proxy_serving(
         api_service = service("api", [{"name": "http", "port": 81}], cluster_ip="10.96.0.11")
         api_slices = endpoint_slice("api", "http", [("127.0.0.1", backends[0][1])])
         write_manifests(manifest, [*web, api_service, *api_slices])
-        api = await wait_for(lambda: _ports(state).get("default/api:http"), 10, "api served")
+        api = await wait_for(lambda: served_ports(state).get("default/api:http"), 10, "api served")
         await wait_for(lambda: "default/api:http ->" in logs[0].read_text(), 10, "api synced")
         assert await _answers(api) == "pod-a"
 

@@ -17,12 +17,14 @@ from tests.loopback.proxyrun import (
     LOOPBACK_RUN_FLAGS,
     ask,
     endpoint_slice,
+    served_ports,
     service,
     start_named_backends,
     wait_for,
     write_manifests,
 )
 
+WEB = "default/web:http"
 CLI = [sys.executable, "-m", "kube_userspace_proxy"]
 
 
@@ -79,7 +81,7 @@ async def test_three_started_at_once_end_with_one_serving_and_a_fourth_takes_ove
                 assert proc.returncode == 1, text
                 assert f"--state-dir {state} is in use by another proxy process (pid" in text
                 assert "Traceback" not in text, text
-        port = await wait_for(lambda: _port(state), 30, "the state file")
+        port = await wait_for(lambda: served_ports(state).get(WEB), 30, "the state file")
         assert await ask(port) == "pod-a"
 
         # The surge: a fourth takes over; the owner hands over and exits; the lock moves.
@@ -117,17 +119,6 @@ async def test_three_started_at_once_end_with_one_serving_and_a_fourth_takes_ove
                 proc.wait()
         for _, _, server in backends:
             server.close()
-
-
-def _port(state: Path) -> int | None:
-    import json
-
-    try:
-        document = json.loads((state / "served.json").read_text())
-    except (OSError, ValueError):
-        return None
-    ports = {name: port for name, _, _, port in document["proxyPorts"]}
-    return ports.get("default/web:http")
 
 
 async def _answer(port: int) -> str:
