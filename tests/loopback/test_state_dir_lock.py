@@ -17,6 +17,8 @@ from tests.loopback.proxyrun import (
     LOOPBACK_RUN_FLAGS,
     ask,
     endpoint_slice,
+    loopback_config,
+    running_proxy,
     served_ports,
     service,
     start_named_backends,
@@ -126,3 +128,14 @@ async def _answer(port: int) -> str:
         return await ask(port)
     except OSError as exc:
         return f"error: {exc!r}"
+
+
+async def test_a_proxy_that_stops_lets_the_directory_go(tmp_path: Path) -> None:
+    # In one process (as an embedding or a test suite runs it): the second serve must not find
+    # the first one's lock, which only a process exit would otherwise release.
+    manifest, state = tmp_path / "svc.yaml", tmp_path / "state"
+    write_manifests(manifest, [service("web", [{"name": "http", "port": 80}])])
+    for _ in range(2):
+        async with running_proxy(loopback_config(manifest, state_dir=str(state))):
+            assert _locked_by_someone(state)
+        assert not _locked_by_someone(state)

@@ -148,6 +148,8 @@ def test_a_missing_kubeconfig_exits_2_before_serving(
             "",
             "--metrics-bind-address",
             "",
+            "--state-dir",
+            str(tmp_path / "state"),
         ]
     )
     assert code == 2

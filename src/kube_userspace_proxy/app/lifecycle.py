@@ -58,6 +58,9 @@ async def serve(
         return await _serve(proxy, stop or asyncio.Event(), started)
     finally:
         proxy.first_build.abandon()  # ended before its first sync: the collector runs again
+        if proxy.state_lock is not None:
+            # Exiting would release it; a serve() that returns (tests, embedding) must too.
+            proxy.state_lock.release()
 
 
 async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> int:
