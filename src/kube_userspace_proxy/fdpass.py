@@ -143,6 +143,13 @@ async def send(sock: socket.socket, message: Any, fds: Sequence[int] = ()) -> No
 
 async def receive_bytes(sock: socket.socket) -> tuple[bytes, list[socket.socket]]:
     """The next message and the sockets it carried; ConnectionError at the end of the stream."""
+    data, fds = await receive_fds(sock)
+    return data, [socket.socket(fileno=fd) for fd in fds]
+
+
+async def receive_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """The next message and the descriptors it carried, as they are (not only sockets: the
+    state directory's lock travels in a handover too)."""
     parts: list[bytes] = []
     received: list[int] = []
     try:
@@ -160,7 +167,7 @@ async def receive_bytes(sock: socket.socket) -> tuple[bytes, list[socket.socket]
             parts.append(data[1:])
             if data[:1] == _LAST:
                 break
-        return b"".join(parts), [socket.socket(fileno=fd) for fd in received]
+        return b"".join(parts), received
     except BaseException:
         for fd in received:
             os.close(fd)

@@ -70,7 +70,13 @@ async def test_three_started_at_once_end_with_one_serving_and_a_fourth_takes_ove
             alive = [p for p in procs if p.poll() is None]
             return len(alive) == 1 and statelock.holder(str(state)) == alive[0].pid
 
-        await wait_for(settled, 60, "one of the three left, owning the directory")
+        try:
+            await wait_for(settled, 60, "one of the three left, owning the directory")
+        except AssertionError as exc:
+            logs_now = [log.read_text()[-1500:] for log in logs[:3]]
+            states = [(p.pid, p.poll(), text) for p, text in zip(procs, logs_now, strict=True)]
+            holder = statelock.holder(str(state))
+            raise AssertionError(f"{exc}; holder {holder}: {states}") from None
         (owner,) = [p for p in procs if p.poll() is None]
         assert _locked_by_someone(state)
         for proc, log in zip(procs, logs, strict=False):

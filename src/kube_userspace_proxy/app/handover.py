@@ -38,6 +38,10 @@ class Giver:
                     items.append((sockets.OpsSocket(host, port), sock.fileno()))
         return items
 
+    def state_lock_fd(self) -> int:
+        lock = self._proxy.state_lock
+        return lock.fileno() if lock is not None else -1
+
     def handover_state(self) -> tuple[bytes, list[Any]]:
         proxy = self._proxy
         state = statefile.encode(proxy.applied_state(), proxy.proxier.served_ports())
@@ -140,7 +144,9 @@ async def hand_over(proxy: Proxy, stop: asyncio.Event) -> None:
     config = proxy.config
     log.info("handed over: no new connections here; open ones get %.1fs", config.shutdown_grace)
     if proxy.state_lock is not None:
-        proxy.state_lock.release()  # the state directory is the new process's now
+        # The new process holds the same lock (its descriptor came with the state): closing
+        # this one leaves the lock with it, never free in between.
+        proxy.state_lock.release()
     if proxy.ops is not None:
         await proxy.ops.close()
     await proxy.service_health.close()

@@ -78,6 +78,9 @@ async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> 
                 proxy.workers.count if proxy.workers else 1,
                 wait_exit=config.shutdown_grace + 30,
             )
+            if proxy.state_lock is None and taken is not None and taken.lock_fd >= 0:
+                proxy.state_lock = statelock.StateLock.handed_over(config.state_dir, taken.lock_fd)
+                taken.lock_fd = -1
             if proxy.state_lock is None and taken is None:
                 # Held, and its holder did not hand over (or it has just exited).
                 proxy.state_lock = _lock_state_dir(config.state_dir, required=True)
@@ -95,7 +98,7 @@ async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> 
     if not await _startup(proxy, taken, saved):
         return 1
     if config.state_dir and proxy.state_lock is None:
-        # The surge: the old process lets the directory go as it hands over.
+        # Taken over from a process that held no lock (an older version): once it has gone.
         proxy.state_lock = await statelock.acquire(config.state_dir, config.shutdown_grace + 30)
         if proxy.state_lock is None:
             log.warning(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 from collections.abc import Awaitable, Callable
@@ -75,6 +76,11 @@ class Giver(Protocol):
 
     def handover_sockets(self) -> list[tuple[SocketDescription, int]]:
         """(description, descriptor) of every socket the control process serves."""
+        ...
+
+    def state_lock_fd(self) -> int:
+        """The descriptor of the state directory's lock (restart/statelock.py), -1 if none:
+        it travels with the state, so the lock never lies free between the two processes."""
         ...
 
     def handover_state(self) -> tuple[bytes, list[Any]]:
@@ -184,7 +190,8 @@ async def _give(conn: socket.socket, giver: Giver, peer: int) -> bool:
                     [f for _, f in batch],
                 )
             state, groups = giver.handover_state()
-            await fdpass.send(conn, {"op": "state", "groups": groups})
+            lock = giver.state_lock_fd()
+            await fdpass.send(conn, {"op": "state", "groups": groups}, [lock] if lock >= 0 else [])
             await fdpass.send_bytes(conn, state)
             workers, _ = await fdpass.receive(conn)
             paths = {int(slot): str(path) for slot, path in workers.get("paths", {}).items()}
@@ -214,6 +221,8 @@ class Taken:
     sockets: list[tuple[SocketDescription, socket.socket]] = field(default_factory=list)
     state: bytes = b""
     groups: dict[SocketKey, list[int]] = field(default_factory=dict)
+    lock_fd: int = -1
+    """The state directory's lock, shared with the old process (the taker claims it)."""
 
     def claim(self, kind: type[D]) -> list[tuple[D, socket.socket]]:
         """Take the sockets of `kind` (`ProxyPortSocket`, `NodePortSocket`, `HealthSocket`,
@@ -247,6 +256,9 @@ class Taken:
         self.conn.close()
         for _, sock in self.sockets:
             sock.close()
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)  # the old process's copy keeps the lock
+            self.lock_fd = -1
 
 
 async def take(directory: str, workers: int, *, wait_exit: float) -> Taken | None:
@@ -323,7 +335,19 @@ async def _receive_all(taken: Taken) -> None:
     conn = taken.conn
     await fdpass.send(conn, {"op": "take"})
     while True:
-        message, socks = await fdpass.receive(conn)
+        data, fds = await fdpass.receive_fds(conn)
+        try:
+            message = json.loads(data)
+        except ValueError:
+            for fd in fds:
+                os.close(fd)
+            raise fdpass.PeerError("a message that is not JSON") from None
+        if message.get("op") == "state":
+            for fd in fds[1:]:
+                os.close(fd)
+            taken.lock_fd = fds[0] if fds else -1
+        else:
+            socks = [socket.socket(fileno=fd) for fd in fds]
         if message.get("op") == "sockets":
             try:
                 described = [decode(d) for d in message["items"]]

@@ -3,7 +3,8 @@
 The owner holds an exclusive `flock` on the file for as long as it owns the directory (it
 writes the state file and listens on handover.sock), and writes its PID into it. A process
 that finds the lock held either takes over from the owner through the handover (a DaemonSet's
-surge pod: the old process lets the lock go as it hands over, the new one takes it) or exits
+surge pod: the old process passes the lock's descriptor with the state, so the lock is never
+free in between, then closes its own) or exits
 with an error naming the directory and the owner's PID. The kernel releases the lock when the
 owner exits, however it exits, so a crash leaves no stale lock (the PID left in the file is
 only read while the lock is held).
@@ -28,9 +29,20 @@ class StateLock:
         self.directory = directory
         self._fd = fd
 
+    @classmethod
+    def handed_over(cls, directory: str, fd: int) -> StateLock:
+        """The lock the old process passed in the handover (the same open file, so the same
+        flock): this process owns the directory from now on, and says so in the file."""
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return cls(directory, fd)
+
     @property
     def held(self) -> bool:
         return self._fd >= 0
+
+    def fileno(self) -> int:
+        return self._fd
 
     def release(self) -> None:
         """Let the directory go (after handing it over, or at exit)."""
