@@ -205,3 +205,35 @@ def local_addresses() -> tuple[str, ...]:
     finally:
         libc.freeifaddrs(head)
     return tuple(dict.fromkeys(found))
+
+
+def families_of(addresses: Iterable[str]) -> frozenset[Family]:
+    """The families of the valid IP addresses among `addresses`."""
+    return frozenset(f for a in addresses if (f := ip_family(a)) is not None)
+
+
+def host_families() -> frozenset[Family]:
+    """The families this network namespace has usable addresses in: loopback and link-local
+    left out (a node that has only those in a family has no address of it the cluster can
+    reach). Empty when the interfaces cannot be read."""
+    try:
+        found = local_addresses()
+    except OSError:
+        return frozenset()
+    return families_of(a for a in found if not ipaddress.ip_address(a).is_loopback)
+
+
+def ipv6_sockets() -> bool:
+    """Whether this kernel makes IPv6 sockets (not with ipv6.disable=1 on its command line)."""
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+    except OSError:
+        return False
+    return True
+
+
+def unspecified_address(families: Iterable[Family]) -> str:
+    """The unspecified address whose sockets take `families`: `::` when IPv6 is among them
+    (dual-stack sockets, IPV6_V6ONLY off: one descriptor per port for both) and this kernel
+    makes IPv6 sockets, else 0.0.0.0."""
+    return "::" if 6 in set(families) and ipv6_sockets() else "0.0.0.0"

@@ -291,7 +291,7 @@ STAMPS = textwrap.dedent(
     from kube_userspace_proxy.model import *
     from kube_userspace_proxy.portals.iptc import Encoder
     from kube_userspace_proxy.portals.desired import render
-    from kube_userspace_proxy.portals.rules import Settings
+    from kube_userspace_proxy.portals.settings import Settings
 
     rng = random.Random(7)
     ports = []

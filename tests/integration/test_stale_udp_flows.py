@@ -94,7 +94,7 @@ CLEAR = textwrap.dedent(
     from kube_userspace_proxy.model import Protocol, ProxiedPort, ServicePortInfo, ServicePortName
     from kube_userspace_proxy.portals.desired import render
     from kube_userspace_proxy.portals.flows import StaleFlows
-    from kube_userspace_proxy.portals.rules import Settings
+    from kube_userspace_proxy.portals.settings import Settings
 
     CLIENT, NODE = "10.244.1.10", "10.244.0.1"
     def add(ct, proto, dst, dport, sport, reply_src, reply_sport):

@@ -12,7 +12,7 @@ from kube_userspace_proxy.addresses import primary_cidrs
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.config.settings import build_config
 from kube_userspace_proxy.model import Endpoint
-from kube_userspace_proxy.portals.rules import Settings
+from kube_userspace_proxy.portals.settings import Settings
 from kube_userspace_proxy.restart import statefile
 from kube_userspace_proxy.topology import Topology, topology_mode, usable_endpoints
 from tests.unit.test_state import HTTP, build, endpoint, endpoint_slice, lines, service

@@ -164,3 +164,17 @@ def test_node_port_address_keywords_expand() -> None:
 def test_logging_section_is_applied() -> None:
     config = build_config(config_from_document({"logging": {"format": "json", "verbosity": 4}}), {})
     assert (config.log_format, config.verbosity) == ("json", 4)
+
+
+def test_kubeadms_bind_address_leaves_it_unspecified_and_the_flag_does_not() -> None:
+    # kubeadm writes bindAddress 0.0.0.0: kube-proxy then serves the node's families, and so
+    # does this proxy (an empty bind_address). The flag keeps its literal meaning.
+    from_file = config_from_document({"bindAddress": "0.0.0.0"})
+    assert build_config(from_file, {}).bind_address == ""
+    assert build_config({}, {}).bind_address == ""
+    assert build_config(from_file, {"bind_address": "0.0.0.0"}).bind_address == "0.0.0.0"
+    assert build_config(config_from_document({"bindAddress": "::"}), {}).bind_address == "::"
+    # Written back as kube-proxy's own default, and read back the same.
+    written = effective_document(build_config(from_file, {}))
+    assert written["bindAddress"] == "0.0.0.0"
+    assert build_config(config_from_document(written), {}).bind_address == ""

@@ -28,11 +28,11 @@ from kube_userspace_proxy.portals.rules import (
     NON_LOCAL_NODEPORTS,
     PROXY_PORTS,
     Rule,
-    Settings,
     base_chain,
     claimed,
     is_ours,
 )
+from kube_userspace_proxy.portals.settings import Settings
 
 NODE = Settings(node_ips=("10.244.0.1",))
 WEB = ServicePortName("default", "web", "http")
@@ -251,6 +251,43 @@ def test_specific_ipv6_bind_address_serves_ipv6_only() -> None:
         "-A KUBE-PORTALS-CONTAINER -d fd00:96::10/128 -p tcp -m comment --comment"
         ' "default/web:http" -m tcp --dport 80 -j DNAT --to-destination [fd00::7]:40001'
     ]
+
+
+def nat_families(rules: list[Rule]) -> set[int]:
+    return {r.family for r in rules if r.table == "nat" and not r.is_jump}
+
+
+def test_unspecified_bind_address_follows_the_node_families() -> None:
+    # As kube-proxy: the families the node has addresses in, whatever the sockets take.
+    dual = [port(cluster_ips=("10.96.0.10", "fd00:96::10"), node_port=30080)]
+    both = Settings(("10.244.0.1", "fd00::1"), "::", node_families=frozenset({4}))
+    assert nat_families(render(dual, both)) == {4, 6}  # the node IPs, once known
+    v4_node = Settings(("10.244.0.1",), "::", node_families=frozenset({4, 6}))
+    assert nat_families(render(dual, v4_node, families={4, 6})) == {4}
+    assert v4_node.left_out(6) == (
+        "the node has no IPv6 address (node IPs: 10.244.0.1; see --node-ip)"
+    )
+    assert v4_node.left_out(4) == ""
+    v6_node = Settings(("fd00::1",), "::", node_families=frozenset({4, 6}))
+    assert nat_families(render(dual, v6_node, families={4, 6})) == {6}
+    # No node IP known yet: the families the host had addresses in at start.
+    unknown = Settings((), "0.0.0.0", node_families=frozenset({4}))
+    assert nat_families(render(dual, unknown, families={4, 6})) == {4}
+    assert "none known" in unknown.left_out(6)
+    # The node has IPv6 but the sockets do not take it (0.0.0.0): said, not rendered.
+    late = Settings(("10.244.0.1", "fd00::1"), "0.0.0.0", node_families=frozenset({4}))
+    assert nat_families(render(dual, late, families={4, 6})) == {4}
+    assert late.left_out(6).startswith("the proxy ports listen on 0.0.0.0 (IPv4 only)")
+    # An explicit bind address keeps its meaning and its advice.
+    explicit = Settings(("10.244.0.1", "fd00::1"), "0.0.0.0")
+    assert explicit.left_out(6).endswith("use --bind-address :: for dual stack")
+
+
+def test_proxy_ports_are_guarded_in_every_family_their_sockets_take() -> None:
+    # A v4-only node whose ports are dual-stack sockets still refuses IPv6 to them.
+    v4_node = Settings(("10.244.0.1",), "::", node_families=frozenset({4, 6}))
+    guards = render([port(cluster_ips=("10.96.0.10",))], v4_node)
+    assert {r.family for r in guards if base_chain(r.chain) == PROXY_PORTS} == {4, 6}
 
 
 def test_cluster_ips_of_an_unserved_family_are_reported_once_rendered() -> None:

@@ -155,3 +155,42 @@ def test_a_bad_ejection_annotation_is_one_warning_and_the_default(
     _, out, err = rules(["--manifests", manifest], capsys)
     assert "out for 30s x its ejections" in out
     assert err.count("outlier-base-ejection-time: 'soon' is not a duration") == 1
+
+
+def test_a_family_the_node_lacks_is_named_as_left_out_not_listed_as_served(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def svc(name: str, ips: list[str]) -> dict[str, object]:
+        return {
+            "kind": "Service",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "clusterIP": ips[0],
+                "clusterIPs": ips,
+                "ports": [{"name": "http", "port": 80}],
+            },
+        }
+
+    manifest = write(
+        tmp_path / "svc.yaml",
+        [svc("v6", ["fd00:10:96::10"]), svc("dual", ["10.96.0.11", "fd00:10:96::11"])],
+    )
+    code, out, _ = rules(["--manifests", manifest, "--node-ip", "10.0.0.1"], capsys)
+    assert code == 0
+    assert "fd00:10:96" not in "\n".join(line for line in out.splitlines() if line.startswith("-A"))
+    why = "the node has no IPv6 address (node IPs: 10.0.0.1; see --node-ip)"
+    assert f"#   default/v6:http: fd00:10:96::10: {why}" in out
+    assert f"#   default/dual:http: fd00:10:96::11: {why}" in out
+    assert (
+        "# default/v6:http: TCP fd00:10:96::10 (left out) port 80 -> not served on this node" in out
+    )
+    assert (
+        "# default/dual:http: TCP 10.96.0.11, fd00:10:96::11 (left out) port 80 -> proxy port"
+        in out
+    )
+    # A dual-stack node serves both; an explicit IPv4 bind address keeps its old advice.
+    code, out, _ = rules(["--manifests", manifest, "--node-ip", "10.0.0.1,fd00::1"], capsys)
+    assert "-d fd00:10:96::10/128" in out and "left out" not in out
+    flags = ["--manifests", manifest, "--node-ip", "10.0.0.1,fd00::1", "--bind-address", "0.0.0.0"]
+    code, out, _ = rules(flags, capsys)
+    assert "use --bind-address :: for dual stack" in out and "-d fd00:10:96" not in out

@@ -50,12 +50,26 @@ async def serve(
         config.worker_count if config.worker_count > 1 else 0,
         limit,
     )
-    proxy = build(config)
+    try:
+        lock, taken = await _own_state_dir(config)
+    except ProxyError as exc:
+        log.error("%s", exc)
+        return 1
+    try:
+        # Handed-over proxy ports keep their address: the new process listens as they do.
+        proxy = build(config, listen_address=taken.listen_address() if taken else None)
+    except BaseException:
+        if taken is not None:
+            taken.close()  # the old process serves on
+        if lock is not None:
+            lock.release()
+        raise
+    proxy.state_lock = lock
     log.info("TCP data plane: %s", proxy.dataplane)
     # Until the first sync, nearly all that is built lives on (see collector.py).
     proxy.first_build.begin()
     try:
-        return await _serve(proxy, stop or asyncio.Event(), started)
+        return await _serve(proxy, taken, stop or asyncio.Event(), started)
     finally:
         proxy.first_build.abandon()  # ended before its first sync: the collector runs again
         if proxy.state_lock is not None:
@@ -63,30 +77,36 @@ async def serve(
             proxy.state_lock.release()
 
 
-async def _serve(proxy: Proxy, stop: asyncio.Event, started: Started | None) -> int:
+async def _own_state_dir(
+    config: ProxyConfig,
+) -> tuple[statelock.StateLock | None, handover.Taken | None]:
+    """This process's lock on --state-dir and what a running proxy handed over (each None
+    when there is none); ProxyError when the directory is another's or unusable."""
+    if not config.state_dir:
+        return None, None
+    # Before anything in it is read or listened to: others must not write there.
+    statefile.check_directory(config.state_dir)
+    lock = _lock_state_dir(config.state_dir)
+    taken = await handover.take(
+        config.state_dir,
+        max(config.worker_count, 1),
+        wait_exit=config.shutdown_grace + 30,
+    )
+    if lock is None and taken is not None and taken.lock_fd >= 0:
+        lock = statelock.StateLock.handed_over(config.state_dir, taken.lock_fd)
+        taken.lock_fd = -1
+    if lock is None and taken is None:
+        # Held, and its holder did not hand over (or it has just exited).
+        lock = _lock_state_dir(config.state_dir, required=True)
+    return lock, taken
+
+
+async def _serve(
+    proxy: Proxy, taken: handover.Taken | None, stop: asyncio.Event, started: Started | None
+) -> int:
     """Take over from a running proxy (or find the saved state), then startup -> main loop ->
     shutdown; signals set `stop` meanwhile."""
     config = proxy.config
-    taken = None
-    if config.state_dir:
-        try:
-            # Before anything in it is read or listened to: others must not write there.
-            statefile.check_directory(config.state_dir)
-            proxy.state_lock = _lock_state_dir(config.state_dir)
-            taken = await handover.take(
-                config.state_dir,
-                proxy.workers.count if proxy.workers else 1,
-                wait_exit=config.shutdown_grace + 30,
-            )
-            if proxy.state_lock is None and taken is not None and taken.lock_fd >= 0:
-                proxy.state_lock = statelock.StateLock.handed_over(config.state_dir, taken.lock_fd)
-                taken.lock_fd = -1
-            if proxy.state_lock is None and taken is None:
-                # Held, and its holder did not hand over (or it has just exited).
-                proxy.state_lock = _lock_state_dir(config.state_dir, required=True)
-        except ProxyError as exc:
-            log.error("%s", exc)
-            return 1
     saved = proxy.saved_state() if taken is None else None
     if saved is None:
         # A bad kubeconfig is a configuration error (exit 2), found before anything runs.
@@ -222,9 +242,10 @@ async def _shutdown(proxy: Proxy, stop: asyncio.Event) -> None:
             await proxy.ops.close()
 
 
-def build(config: ProxyConfig) -> Proxy:
-    """Create the parts of a proxy for `config` (nothing is opened or started yet)."""
-    return Proxy(config)
+def build(config: ProxyConfig, *, listen_address: str | None = None) -> Proxy:
+    """Create the parts of a proxy for `config` (nothing is opened or started yet); its proxy
+    ports bound to `listen_address` when given (those handed over are)."""
+    return Proxy(config, listen_address=listen_address)
 
 
 def make_source(

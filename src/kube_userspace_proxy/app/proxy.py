@@ -82,9 +82,12 @@ class Proxy:
     attributes, for the CLI, the demo and tests to inspect.
     """
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, *, listen_address: str | None = None) -> None:
         self.config = config
-        self.health = ProxyHealth(config.sync_period, families=_families(config.bind_address))
+        self.listen_address, self.node_families = listening(config, listen_address)
+        """Where the proxy ports are bound, and (the bind address left unspecified) the
+        families the node has addresses in at start: see `listening`."""
+        self.health = ProxyHealth(config.sync_period, families=_families(self.listen_address))
         self.ops: OpsServer | None = None
         self.handed_over = False
         self.state_lock: statelock.StateLock | None = None
@@ -112,7 +115,7 @@ class Proxy:
                 dataplane=self.dataplane,
             )
             self.proxier = Proxier(
-                self._allocator(config, self.workers),
+                self._allocator(self.workers),
                 node_port_addresses=self._node_port_addresses,
                 dataplane=self.workers,
             )
@@ -121,7 +124,7 @@ class Proxy:
                 udp_idle_timeout=config.udp_idle_timeout, tcp_keepalive=config.tcp_keepalive
             )
             self.proxier = Proxier(
-                self._allocator(config, local),
+                self._allocator(local),
                 node_port_addresses=self._node_port_addresses,
                 dataplane=local,
             )
@@ -131,7 +134,7 @@ class Proxy:
             self.proxier.open_ports,
             per_service_port=config.metrics_per_service_port,
             transparent=config.preserve_source_ip,
-            ip_families=_families(config.bind_address),
+            ip_families=_families(self.listen_address),
             dataplane=self.dataplane,
         )
         if self.workers is not None:
@@ -154,9 +157,10 @@ class Proxy:
             portals = Portals(
                 backend,
                 node_ips=config.node_ips,
-                bind_address=config.bind_address,
+                bind_address=self.listen_address,
                 nodeport_addresses=config.nodeport_addresses,
                 guard_proxy_ports=config.guard_proxy_ports,
+                node_families=self.node_families,
                 verify_period=config.verify_period,
                 transparent=(config.transparent_mark, config.transparent_table)
                 if config.preserve_source_ip
@@ -202,8 +206,9 @@ class Proxy:
         return explain(
             ports,
             node_ips=config.node_ips or self.state.node_ips,
-            bind_address=config.bind_address,
+            bind_address=self.listen_address,
             nodeport_addresses=config.nodeport_addresses,
+            node_families=self.node_families,
         )
 
     def configured(self, snapshot: D) -> D:
@@ -216,16 +221,15 @@ class Proxy:
             snapshot = replace(snapshot, source=self.config.source_policy(snapshot.pod_cidrs))
         return snapshot
 
-    @staticmethod
-    def _allocator(config: ProxyConfig, dataplane: DataPlane[Any]) -> PortAllocator:
+    def _allocator(self, dataplane: DataPlane[Any]) -> PortAllocator:
         return PortAllocator(
-            config.port_range, host=config.bind_address, share_udp=dataplane.shares_ports
+            self.config.port_range, host=self.listen_address, share_udp=dataplane.shares_ports
         )
 
     def _node_port_addresses(self) -> Sequence[str]:
         configured = self.config.nodeport_addresses
         if not configured:
-            return (self.config.bind_address,)
+            return (self.listen_address,)
         # `primary`: the node IPs of the sync under way.
         cidrs = addresses.nodeport_cidrs(configured, self.proxier.node_ips)
         return local_addresses_in(cidrs, addresses.local_addresses())
@@ -286,6 +290,38 @@ class Proxy:
         """Bring the per-service-port counters up to date (summed from the workers)."""
         if self.workers is not None:
             await self.workers.collect(debug=debug)
+
+
+def listening(
+    config: ProxyConfig, handed_over: str | None = None
+) -> tuple[str, frozenset[addresses.Family] | None]:
+    """The address the proxy ports bind to, and the node's families when they decide.
+
+    An explicit --bind-address is used as it is (None: it alone decides the families). Left
+    unspecified, the proxy serves the families the node has addresses in, as kube-proxy does:
+    those of --node-ip, else of the host's own addresses (the Node's InternalIPs take over in
+    the rules once known); the ports are dual-stack (`::`) when IPv6 is among them. A
+    handover's ports keep the address the earlier process bound them to (`handed_over`).
+    """
+    families: frozenset[addresses.Family] | None = None
+    if config.bind_address:
+        address = config.bind_address
+    else:
+        families = (
+            addresses.families_of(config.node_ips) or addresses.host_families() or frozenset({4})
+        )
+        address = addresses.unspecified_address(families)
+    if handed_over and handed_over != address:
+        log.warning(
+            "the handed-over proxy ports listen on %s, not on %s: they keep doing so (a"
+            " handover refuses nothing); restart the proxy without one (stop it, then start"
+            " it) to listen on %s",
+            handed_over,
+            address,
+            address,
+        )
+        address = handed_over
+    return address, families
 
 
 def _families(bind_address: str) -> tuple[str, ...]:

@@ -55,15 +55,22 @@ async def rules_text(config: ProxyConfig) -> str:
         + (", ".join(node_ips) or "none known (pass --node-ip)"),
         "# proxy ports are examples: each run picks free ones (see /debug/state for live ones)",
     ]
+    left_out: list[tuple[str, str, str]] = []
     for rule, why in explain(
         ports,
         node_ips=node_ips,
-        bind_address=config.bind_address,
+        bind_address=proxy.listen_address,
         nodeport_addresses=config.nodeport_addresses,
         guard=config.guard_proxy_ports,
+        node_families=proxy.node_families,
+        left_out=left_out,
     ):
         lines.append(f"{rule}\n    # {why}")
-    lines += decided_by_the_proxy(ports, snapshot, proxy.state, config.balancing)
+    if left_out:
+        lines += ["#", f"# {len(left_out)} ClusterIP(s) left out, with no rules:"]
+        lines += [f"#   {name}: {ip}: {why}" for name, ip, why in left_out]
+    unserved = {(name, ip) for name, ip, _ in left_out}
+    lines += decided_by_the_proxy(ports, snapshot, proxy.state, config.balancing, unserved)
     others = source.other_kinds() if isinstance(source, ManifestSource) else []
     lines += not_served(proxy.state, [f"{kind} ({path})" for path, kind in others])
     return "\n".join(lines)
@@ -87,9 +94,11 @@ def decided_by_the_proxy(
     snapshot: Snapshot,
     state: ClusterState,
     defaults: Balancing = DEFAULT_BALANCING,
+    left_out: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset(),
 ) -> list[str]:
     """Per service port: how the proxy picks an endpoint, the ones it uses and the ones it
-    does not, with the reason. No rule decides any of it: the rules only reach the proxy."""
+    does not, with the reason. No rule decides any of it: the rules only reach the proxy.
+    `left_out`: (service port, ClusterIP) pairs that get no rules, marked as such."""
     if not ports:
         return []
     lines = [
@@ -103,12 +112,15 @@ def decided_by_the_proxy(
     for port in ports:
         info = port.info
         endpoints = snapshot.endpoints_of(info.name)
-        ips = ", ".join(info.cluster_ips)
+        name = str(info.name)
+        served = [ip for ip in info.cluster_ips if (name, ip) not in left_out]
+        ips = ", ".join(ip if ip in served else f"{ip} (left out)" for ip in info.cluster_ips)
         external = f" (external traffic: {port.external_port})" if info.paths_differ else ""
-        lines.append(
-            f"# {info.name}: {info.protocol} {ips} port {info.port} -> proxy port "
-            f"{port.cluster_port}{external}"
-        )
+        if served or not info.cluster_ips:
+            target = f"-> proxy port {port.cluster_port}{external}"
+        else:
+            target = "-> not served on this node (no rules: see above)"
+        lines.append(f"# {info.name}: {info.protocol} {ips} port {info.port} {target}")
         lines += _balancing_lines(info, defaults)
         if info.client_ip_affinity:
             lines.append(

@@ -106,6 +106,10 @@ TRANSPARENT_TABLE = 4040
 (Tailscale), 77-79 (kube-router), 100-103 and 133 (Istio), 2004-2006 and 2050+ (Cilium),
 2..N (AWS VPC CNI, one per ENI); 253-255 are the kernel's default, main and local."""
 _RESERVED_MARKS = 0xC000  # kube-proxy's masquerade and drop bits
+UNSPECIFIED_BIND = "0.0.0.0"
+"""A config file's `bindAddress` that leaves the bind address unspecified (kube-proxy's default;
+kubeadm writes it): the proxy then serves the node's families. The flag keeps its literal
+meaning."""
 MAX_WORKERS = 64
 AUTO_WORKERS_MAX = 4
 
@@ -115,8 +119,10 @@ class ProxyConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    bind_address: str = "0.0.0.0"
-    """IP the proxy ports listen on; 0.0.0.0: all IPv4 addresses, `::`: both families."""
+    bind_address: str = ""
+    """IP the proxy ports listen on. Unset (also kubeadm's `bindAddress: 0.0.0.0` in --config):
+    every family the node has addresses in, as kube-proxy. Set: literally; 0.0.0.0 IPv4 only,
+    `::` both families, any other address only itself."""
     proxy_port_range: str = ""
     """Proxy ports: `begin-end`, `begin+offset`, one port, or empty/`0-0` (the ephemeral range)."""
     udp_idle_timeout: float = 0.25
@@ -285,7 +291,8 @@ class ProxyConfig(BaseModel):
     @field_validator("bind_address")
     @classmethod
     def _check_ip(cls, value: str) -> str:
-        ipaddress.ip_address(value)
+        if value:
+            ipaddress.ip_address(value)
         return value
 
     @field_validator("healthz_bind_address", "metrics_bind_address")
@@ -500,6 +507,8 @@ def config_from_document(doc: Mapping[str, Any], *, source: str = "config") -> d
         value = kpc.get(effective, path)
         if value is None or value == "":
             continue
+        if name == "bind_address" and value == UNSPECIFIED_BIND:
+            continue  # kube-proxy's default, kubeadm's too: the node's families (see the field)
         if name == "log_format" and value not in {"text", "json"}:
             log.warning("%s: logging.format %r is not supported; using text", source, value)
             continue
@@ -546,6 +555,8 @@ def effective_document(config: ProxyConfig) -> dict[str, Any]:
             value = format_duration(value)
         elif field.kind == "csv":
             value = list(value) or None
+        elif field.name == "bind_address" and not value:
+            value = UNSPECIFIED_BIND
         *parents, leaf = path.split(".")
         node = doc
         for part in parents:

@@ -65,7 +65,7 @@ def problems(values: Mapping[str, Any], place: Callable[[str], str]) -> list[str
         return values.get(name)
 
     bind = value("bind_address")
-    if bind is not None and not _is_ip(str(bind)):
+    if bind and not _is_ip(str(bind)):
         found.append(
             invalid(
                 place("bind_address"), bind, "not a valid textual representation of an IP address"

@@ -25,7 +25,8 @@ from kube_userspace_proxy.portals.flows import StaleFlows
 from kube_userspace_proxy.portals.plan import Backend
 from kube_userspace_proxy.portals.prerequisites import check_transparent
 from kube_userspace_proxy.portals.reconcile import VERIFY_PERIOD, Portals
-from kube_userspace_proxy.portals.rules import Rule, served_families
+from kube_userspace_proxy.portals.rules import Rule
+from kube_userspace_proxy.portals.settings import served_families
 
 __all__ = [
     "VERIFY_PERIOD",

@@ -29,14 +29,13 @@ from kube_userspace_proxy.portals.rules import (
     PROXY_PORTS,
     TABLES,
     Rule,
-    Settings,
     base_chain,
     jumps,
     port_guards,
     render_port,
-    served_families,
     shard_jumps,
 )
+from kube_userspace_proxy.portals.settings import Settings
 
 _ChainKey = tuple[Family, str, str]
 """(family, table, chain)."""
@@ -204,7 +203,7 @@ class Desired:
 
     def families(self, wanted: Iterable[Family]) -> list[Family]:
         """The families to hold rules: those served among `wanted`, and any a rule needs."""
-        served = served_families(self.settings.bind_address)
+        served = self.settings.served
         used = {f for f in wanted if f in served}
         used |= {f for (f, _), shards in self._shards.items() if shards}
         return sorted(used or set(sorted(served)[:1]))
@@ -317,15 +316,29 @@ def explain(
     nodeport_addresses: Sequence[str] = (),
     physdev: bool = True,
     guard: bool = True,
+    node_families: frozenset[Family] | None = None,
+    left_out: list[tuple[str, str, str]] | None = None,
 ) -> list[tuple[str, str]]:
     """(iptables-save line, one-line explanation) for every rule, for `rules` and the demo.
 
     The explanation names the table when it is not nat and the family when it is IPv6.
+    `left_out` receives (service port, ClusterIP, why) for each ClusterIP that gets no rules
+    (see `Settings.left_out`).
     """
-    settings = Settings(tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev, guard)
+    settings = Settings(
+        tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev, guard, node_families
+    )
     out = []
     families = {ip_family(ip) or 4 for ip in node_ips}
-    for rule in render(ports, settings, families=families, explained=True):
+    skipped: list[tuple[ServicePortName, str]] = []
+    rules = render(ports, settings, families=families, skipped=skipped, explained=True)
+    if left_out is not None:
+        left_out += [
+            (str(name), ip, settings.left_out(family))
+            for name, ip in skipped
+            if (family := ip_family(ip)) is not None
+        ]
+    for rule in rules:
         tags = ["IPv6"] if rule.family == 6 else []
         tags += ["filter table"] if rule.table == FILTER else []
         out.append((rule.line, (" ".join(tags) + ": " if tags else "") + rule.why))

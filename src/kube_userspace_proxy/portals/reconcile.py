@@ -43,12 +43,11 @@ from kube_userspace_proxy.portals.rules import (
     NAT,
     TABLES,
     Rule,
-    Settings,
     base_chain,
     claimed,
     is_ours,
-    served_families,
 )
+from kube_userspace_proxy.portals.settings import Settings
 
 VERIFY_PERIOD = 3600.0
 """Seconds between full reads of our tables (`--iptables-verify-period`): kube-proxy's
@@ -98,6 +97,7 @@ class Portals:
         nodeport_addresses: Sequence[str] = (),
         physdev: bool | None = None,
         guard_proxy_ports: bool = True,
+        node_families: frozenset[Family] | None = None,
         verify_period: float = VERIFY_PERIOD,
         clock: Callable[[], float] = time.monotonic,
         transparent: tuple[int, int] | None = None,
@@ -112,7 +112,12 @@ class Portals:
                 )
         self.backend = backend
         self._settings = Settings(
-            tuple(node_ips), bind_address, tuple(nodeport_addresses), physdev, guard_proxy_ports
+            tuple(node_ips),
+            bind_address,
+            tuple(nodeport_addresses),
+            physdev,
+            guard_proxy_ports,
+            node_families,
         )
         self.verify_period = verify_period
         """Seconds between full reads of our tables; each apply in between checks cheaply."""
@@ -311,24 +316,22 @@ class Portals:
         return out
 
     def _warn_unserved(self, skipped: list[tuple[ServicePortName, str]]) -> None:
-        """Warn once per service port whose ClusterIPs of one family get no rules."""
+        """Warn once per service port whose ClusterIPs of one family get no rules, saying why
+        (`Settings.left_out`)."""
         if self._warned_unserved:  # forget ports that are gone, so the set stays small
             names = self._desired.names()
             self._warned_unserved = {n for n in self._warned_unserved if n in names}
-        bind = self._settings.bind_address or "0.0.0.0"
-        served = "/".join(f"IPv{f}" for f in sorted(served_families(bind))) or "no family"
         for name, ip in skipped:
-            if name in self._warned_unserved:
+            family = ip_family(ip)
+            if name in self._warned_unserved or family is None:
                 continue
             self._warned_unserved.add(name)
             log.warning(
-                "%s: no rules for its IPv%d ClusterIP %s: the proxy ports listen on %s (%s only);"
-                " use --bind-address :: for dual stack",
+                "%s: no rules for its IPv%d ClusterIP %s: %s",
                 name,
-                ip_family(ip),
+                family,
                 ip,
-                bind,
-                served,
+                self._settings.left_out(family),
             )
 
     def _warn_missing_node_ips(self, families: set[Family]) -> None:

@@ -37,16 +37,18 @@ drops that condition (pods then reach external IPs through the proxy too, as wit
 iptables mode). LoadBalancer ingress IPs are treated like ClusterIPs. Cluster traffic goes to
 `ProxiedPort.cluster_port`; NodePort, externalIP and LoadBalancer traffic to `external_port`.
 
-Rules are rendered only for the address families the proxy ports accept: `--bind-address`
-0.0.0.0 is IPv4 only, `::` is both (the proxy's sockets are dual-stack), any other address is
-its own family only. A ClusterIP of another family gets no rules: redirected there, its
-clients would be refused.
+Rules are rendered only for the address families the proxy serves. With the bind address
+left unspecified (the default, and kubeadm's `bindAddress: 0.0.0.0`), those are the families
+the node has addresses in (its node IPs; before any is known, the host's own addresses), as
+kube-proxy serves them, and the proxy ports are dual-stack sockets (`::`, IPV6_V6ONLY off)
+when IPv6 is among them. An explicit `--bind-address` decides alone: 0.0.0.0 is IPv4 only,
+`::` is both, any other address is its own family only. A ClusterIP of another family gets no
+rules (redirected there, its clients would be refused) and is reported (`left_out`).
 """
 
 from __future__ import annotations
 
 import functools
-import ipaddress
 import re
 import socket
 from collections.abc import Iterable
@@ -54,8 +56,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar, dataclass_transform
 
 from kube_userspace_proxy import logs
-from kube_userspace_proxy.addresses import Family, ip_family, join_host_port, nodeport_cidrs
+from kube_userspace_proxy.addresses import Family, ip_family, join_host_port
 from kube_userspace_proxy.model import ClaimKey, Path, ProxiedPort, ServicePortName
+from kube_userspace_proxy.portals.settings import _WILDCARDS, Settings, served_families
 
 CONTAINER_PORTALS = "KUBE-PORTALS-CONTAINER"
 HOST_PORTALS = "KUBE-PORTALS-HOST"
@@ -142,25 +145,6 @@ _SAFE_COMMENT = re.compile(r"[ !#-&(-\[\]-~]{1,255}")
 limit is 256 with its NUL): nothing in a comment can end the quoted argument or the line of
 the `iptables-restore` input. The parser already holds names to DNS-1123; this is the last
 line of defence for whatever reaches a rule."""
-
-_WILDCARDS = frozenset({"0.0.0.0", "::", ""})
-"""Bind addresses meaning every local address (of the families `served_families` gives)."""
-
-
-@functools.lru_cache(maxsize=64)
-def served_families(bind_address: str) -> frozenset[Family]:
-    """The address families that proxy ports bound to `bind_address` accept connections of.
-
-    0.0.0.0 (or empty) is IPv4 only; `::` is both, as the ports are dual-stack sockets
-    (IPV6_V6ONLY off); any other address is its own family only.
-    """
-    if bind_address in ("", "0.0.0.0"):
-        return frozenset({4})
-    if bind_address == "::":
-        return frozenset({4, 6})
-    family = ip_family(bind_address)
-    return frozenset({family}) if family else frozenset()
-
 
 _T = TypeVar("_T")
 
@@ -332,42 +316,6 @@ def jumps(family: Family) -> list[Rule]:
     ]  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """What the rendering needs to know about the node besides the service ports."""
-
-    node_ips: tuple[str, ...] = ()
-    bind_address: str = "0.0.0.0"
-    nodeport_addresses: tuple[str, ...] = ()
-    physdev: bool = True
-    guard: bool = True
-    """REJECT connections to proxy ports that no nat rule sent there (KUBE-PROXY-PORTS)."""
-
-    def serves(self, family: Family) -> bool:
-        """True when the proxy ports accept connections of `family` (see `served_families`)."""
-        return family in served_families(self.bind_address)
-
-    def host_ip(self, family: Family) -> str:
-        """Where the node's own packets are DNATed: the bind address, else a node IP."""
-        if not self.serves(family):
-            return ""
-        if self.bind_address not in _WILDCARDS:
-            return self.bind_address
-        return next((ip for ip in self.node_ips if ip_family(ip) == family), "")
-
-    def nodeport_dsts(self, family: Family) -> list[str]:
-        """`-d` values for NodePort rules: [""] (any local address) or the matching CIDRs."""
-        if not self.nodeport_addresses:
-            return [""]
-        dsts: list[str] = []
-        # `primary` follows the node IPs; none known in a family: no NodePort rules for it.
-        for text in nodeport_cidrs(self.nodeport_addresses, self.node_ips):
-            net = ipaddress.ip_network(text, strict=False)
-            if net.version == family:
-                dsts.append("" if net.prefixlen == 0 else str(net))
-        return sorted(set(dsts), key=dsts.index)
-
-
 def _destination(ip: str) -> tuple[Family, str] | None:
     """(family, `-d` value as iptables-save prints it) of an IP address; None if invalid.
 
@@ -398,7 +346,7 @@ class _Renderer:
         self.explained = explained
         """Whether the rules say what they are for (`Rule.why`): only `explain` reads it,
         and a sync keeps every rule (a text each was ~2.5 MiB at 10,000 Services)."""
-        self.served = served_families(settings.bind_address)
+        self.served = settings.served
         self.rules: list[Rule] = []
         self.guards: list[Guard] = []
         """The proxy ports to refuse (`desired.guard_rules` makes the rules of a shard's ports)."""

@@ -41,7 +41,7 @@ from kube_userspace_proxy import fdpass, logs
 from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.model import SocketKey
 from kube_userspace_proxy.restart import peers
-from kube_userspace_proxy.restart.sockets import SocketDescription, decode, encode
+from kube_userspace_proxy.restart.sockets import ProxyPortSocket, SocketDescription, decode, encode
 
 log = logs.get(__name__)
 
@@ -236,6 +236,14 @@ class Taken:
                 kept.append((description, sock))
         self.sockets = kept
         return claimed
+
+    def listen_address(self) -> str | None:
+        """The address the handed-over proxy ports are bound to (None: none came)."""
+        for description, sock in self.sockets:
+            if isinstance(description, ProxyPortSocket):
+                with contextlib.suppress(OSError):
+                    return str(sock.getsockname()[0])
+        return None
 
     async def workers(self, prepare: Callable[[], Awaitable[dict[int, str]]]) -> dict[int, int]:
         """Have the old workers send their sockets to the paths `prepare` set up."""
