@@ -1,7 +1,7 @@
 """The fault suite: stable Services keep answering through churn, API-server restarts with
 compaction, and backends dying and coming back; the proxy's footprint stays flat.
 
-About 60 s: 10 s of warm-up, then 50 s measured. `benchmarks/soak.py` runs the same for 10
+About 35 s: 5 s of warm-up, then 30 s measured. `benchmarks/soak.py` runs the same for 10
 minutes.
 """
 
@@ -19,11 +19,18 @@ FD_SLACK = 8
 
 @pytest.mark.timeout(180)
 async def test_stable_services_never_fail_and_the_footprint_stays_flat(tmp_path: Path) -> None:
-    result = await run(tmp_path, warmup=10, measure=50, log=tmp_path / "proxy.log")
+    result = await run(
+        tmp_path,
+        warmup=5,
+        measure=30,
+        log=tmp_path / "proxy.log",
+        api_restart_every=12.0,
+        backend_kill_every=2.5,
+    )
     print(result.report())
     assert result.requests > 1000
-    assert result.churn_events >= 10 * 50  # 10 or more Service/EndpointSlice changes a second
-    assert result.api_restarts >= 2 and result.backend_kills >= 8
+    assert result.churn_events >= 10 * 30  # 10 or more Service/EndpointSlice changes a second
+    assert result.api_restarts >= 2 and result.backend_kills >= 6
     assert result.failures == [], f"{len(result.failures)} failed: {result.failures[:5]}"
     rss_drift, fd_drift = result.drift()
     # Leak checks: growth fails, a footprint that shrinks (connections of the warm-up window

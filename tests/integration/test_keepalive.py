@@ -65,6 +65,12 @@ IDLE_CLIENT = textwrap.dedent(
 )
 
 
+@pytest.fixture
+def backend(dataplane: str) -> str:
+    """One rule backend per data plane (the rules play no part in keepalive): both are run."""
+    return "iptc" if dataplane == "python" else "restore"
+
+
 def _established_to_pod(topology: Topology) -> int:
     out = topology.node.run("ss", "-tnH", "state", "established", f"dst {PODS['pod-a']}")
     return len([line for line in out.splitlines() if f":{IDLE_PORT}" in line])

@@ -180,7 +180,8 @@ def running_cluster(tmp_path: Path, backend: str, workers: str) -> Iterator[Star
 
 
 @pytest.fixture(
-    params=[(b, w) for b in BACKENDS for w in ("1", "default")],
+    # Each backend and each worker count; pairs, as neither depends on the other.
+    params=list(zip(BACKENDS, ("1", "default"), strict=True)),
     ids=lambda p: f"{p[0]}-workers-{p[1]}",
 )
 def cluster_factory(
