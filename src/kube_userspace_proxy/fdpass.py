@@ -46,6 +46,25 @@ def check_peer(sock: socket.socket) -> int:
     return int(pid)
 
 
+SUN_PATH_MAX = 107
+"""The longest path a unix socket address holds (sun_path is 108 bytes with its NUL)."""
+
+
+@contextlib.contextmanager
+def _addressable(path: Path) -> Iterator[str]:
+    """`path` as a unix socket address: itself when short enough, else the same file reached
+    through a descriptor of its directory (/proc/self/fd/N/name), so that a deep --state-dir
+    works (a pytest or kubelet directory is easily over 107 bytes)."""
+    if len(os.fsencode(path)) <= SUN_PATH_MAX:
+        yield str(path)
+        return
+    directory = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{directory}/{path.name}"
+    finally:
+        os.close(directory)
+
+
 def listen(path: str | Path) -> socket.socket:
     """A non-blocking listening socket at `path` (mode 0600; replaces what is there at once)."""
     path = Path(path)
@@ -54,7 +73,8 @@ def listen(path: str | Path) -> socket.socket:
         temporary.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        sock.bind(str(temporary))
+        with _addressable(temporary) as address:
+            sock.bind(address)
         os.chmod(temporary, 0o600)  # before the name others look for points at it
         sock.listen(8)
         sock.setblocking(False)
@@ -72,7 +92,8 @@ def connect(path: str | Path, timeout: float) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.settimeout(timeout)
-        sock.connect(str(path))
+        with _addressable(Path(path)) as address:
+            sock.connect(address)
         sock.setblocking(False)
         check_peer(sock)
     except BaseException:
