@@ -13,7 +13,7 @@ import functools
 import ipaddress
 from dataclasses import dataclass
 
-from kube_userspace_proxy.addresses import Family, ip_family, nodeport_cidrs
+from kube_userspace_proxy.addresses import Family, families_of, ip_family, nodeport_cidrs
 
 _WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 """Bind addresses meaning every local address (of the families `served_families` gives)."""
@@ -45,7 +45,7 @@ def _served(settings: Settings) -> frozenset[Family]:
 def _node_families(settings: Settings) -> frozenset[Family]:
     """The families the node has addresses in: its IPs', else those it had at start."""
     if settings.node_ips:
-        return frozenset(f for ip in settings.node_ips if (f := ip_family(ip)) is not None)
+        return families_of(settings.node_ips)
     return settings.node_families or frozenset()
 
 
