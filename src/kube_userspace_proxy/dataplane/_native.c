@@ -21,6 +21,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdint.h>
@@ -356,6 +357,28 @@ static int emit(Core *self, PyObject *item) {
     return r;
 }
 
+/* A tuple of `n` new references (stolen, released on a failure; one may be NULL: a failed
+ * allocation before the call). Cheaper than Py_BuildValue's format, once per connection. */
+static PyObject *tuple_of(Py_ssize_t n, PyObject **items) {
+    PyObject *t = NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!items[i]) goto fail;
+    t = PyTuple_New(n);
+    if (!t) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(t, i, items[i]);
+    return t;
+fail:
+    for (Py_ssize_t i = 0; i < n; i++) Py_XDECREF(items[i]);
+    return NULL;
+}
+
+/* (EV_DIALED, data, conn id, outcome, errno): `id` stolen. */
+static int emit_dialed(Core *self, conn *c, PyObject *id, int outcome, int err) {
+    PyObject *items[] = {PyLong_FromLong(EV_DIALED), Py_NewRef(c->data ? c->data : Py_None),
+                         id, PyLong_FromLong(outcome), PyLong_FromLong(err)};
+    return emit(self, tuple_of(5, items));
+}
+
 static void queue(Core *self, conn *c) {
     if (c->queued) return;
     c->queued = 1;
@@ -404,11 +427,12 @@ static int conn_end(Core *self, conn *c, int how) {
     c->cfd = c->bfd = -1;
     int r = 0;
     if (self->out && c->listener) {
-        r = emit(self, Py_BuildValue("(iOOKKii)", EV_CLOSED, c->listener,
-                                     c->data ? c->data : Py_None,
-                                     (unsigned long long)c->in.bytes,
-                                     (unsigned long long)c->out.bytes, how,
-                                     c->in.spliced + c->out.spliced));
+        PyObject *items[] = {PyLong_FromLong(EV_CLOSED), Py_NewRef(c->listener),
+                             Py_NewRef(c->data ? c->data : Py_None),
+                             PyLong_FromUnsignedLongLong(c->in.bytes),
+                             PyLong_FromUnsignedLongLong(c->out.bytes), PyLong_FromLong(how),
+                             PyLong_FromLong(c->in.spliced + c->out.spliced)};
+        r = emit(self, tuple_of(7, items));
     }
     conn_free(self, c);
     return r;
@@ -578,9 +602,7 @@ static int dial_failed(Core *self, conn *c, int outcome, int err) {
     c->state = C_WAITING;
     PyObject *id = conn_id(self, c);
     if (!id) return -1;
-    int r = emit(self, Py_BuildValue("(iONii)", EV_DIALED, c->data ? c->data : Py_None, id,
-                                     outcome, err));
-    return r;
+    return emit_dialed(self, c, id, outcome, err);
 }
 
 /* The endpoint answered: report it, take the client on, and start moving bytes. */
@@ -592,9 +614,7 @@ static int dial_connected(Core *self, conn *c, int64_t now) {
     ka_add(self, c, now);
     PyObject *id = conn_id(self, c);
     if (!id) return -1;
-    if (emit(self, Py_BuildValue("(iONii)", EV_DIALED, c->data ? c->data : Py_None, id,
-                                 DIAL_CONNECTED, 0)) < 0)
-        return -1;
+    if (emit_dialed(self, c, id, DIAL_CONNECTED, 0) < 0) return -1;
     size_t index = conn_index(self, c);
     int r = conn_pump(self, c);
     if (r < 0) return r;
@@ -624,7 +644,17 @@ static int on_listener(Core *self, size_t lid) {
         host[0] = 0;
         if (ss.ss_family == AF_INET) {
             struct sockaddr_in *a = (struct sockaddr_in *)&ss;
-            inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+            const uint8_t *b = (const uint8_t *)&a->sin_addr;
+            /* What inet_ntop writes, without its printf. */
+            char *h = host;
+            for (int k = 0; k < 4; k++) {
+                unsigned v = b[k];
+                if (k) *h++ = '.';
+                if (v >= 100) *h++ = (char)('0' + v / 100);
+                if (v >= 10) *h++ = (char)('0' + v / 10 % 10);
+                *h++ = (char)('0' + v % 10);
+            }
+            *h = 0;
             port = ntohs(a->sin_port);
         } else if (ss.ss_family == AF_INET6) {
             struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
@@ -646,10 +676,9 @@ static int on_listener(Core *self, size_t lid) {
         c->ka_intvl = l->ka_intvl;
         c->ka_user = l->ka_user;
         c->splice_ok = l->splice_ok;
-        PyObject *id = conn_id(self, c);
-        if (!id) return -1;
-        if (emit(self, Py_BuildValue("(iONsi)", EV_ACCEPTED, l->obj, id, host, port)) < 0)
-            return -1;
+        PyObject *items[] = {PyLong_FromLong(EV_ACCEPTED), Py_NewRef(l->obj), conn_id(self, c),
+                             PyUnicode_FromString(host), PyLong_FromLong(port)};
+        if (emit(self, tuple_of(5, items)) < 0) return -1;
     }
     return 0;
 }
@@ -885,16 +914,57 @@ static PyObject *Core_remove_listener(Core *self, PyObject *arg) {
  * to (host, port) for the waiting connection `conn`; `header` goes first (PROXY protocol),
  * `bind_host` (transparent mode) is bound with IP(V6)_TRANSPARENT. The outcome comes back as an
  * EV_DIALED event, never from this call. */
-static PyObject *Core_dial(Core *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"conn", "host", "port", "timeout_ms", "data", "header",
-                             "bind_host", NULL};
-    PyObject *id, *data;
-    const char *host, *bind_host = NULL;
-    int port, timeout_ms;
-    Py_buffer header = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OsiiO|y*z", kwlist, &id, &host, &port,
-                                     &timeout_ms, &data, &header, &bind_host))
+/* A str argument as a C string: a TypeError if it is not a str, a ValueError if it holds a
+ * NUL (what PyArg_Parse's "s" says). */
+static const char *c_string(PyObject *arg, const char *name) {
+    if (!PyUnicode_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "dial: %s must be str, not %.50s", name,
+                     Py_TYPE(arg)->tp_name);
         return NULL;
+    }
+    Py_ssize_t size;
+    const char *s = PyUnicode_AsUTF8AndSize(arg, &size);
+    if (s && strlen(s) != (size_t)size) {
+        PyErr_Format(PyExc_ValueError, "dial: %s holds a NUL character", name);
+        return NULL;
+    }
+    return s;
+}
+
+/* An int argument: a TypeError if it is not an int, an OverflowError out of C int's range. */
+static int c_int(PyObject *arg, const char *name, int *out) {
+    if (!PyLong_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "dial: %s must be int, not %.50s", name,
+                     Py_TYPE(arg)->tp_name);
+        return -1;
+    }
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < INT_MIN || v > INT_MAX) {
+        PyErr_Format(PyExc_OverflowError, "dial: %s out of range", name);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+/* dial(conn, host, port, timeout_ms, data, header=b'', bind_host=None), positional only: once
+ * per dial, so its arguments are taken as they come (METH_FASTCALL), not through a format. */
+static PyObject *Core_dial(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 5 || nargs > 7) {
+        PyErr_Format(PyExc_TypeError, "dial() takes 5 to 7 positional arguments (%zd given)",
+                     nargs);
+        return NULL;
+    }
+    PyObject *id = args[0], *data = args[4];
+    const char *host = c_string(args[1], "host"), *bind_host = NULL;
+    int port, timeout_ms;
+    if (!host || c_int(args[2], "port", &port) < 0 || c_int(args[3], "timeout_ms", &timeout_ms) < 0)
+        return NULL;
+    if (nargs > 6 && args[6] != Py_None && !(bind_host = c_string(args[6], "bind_host")))
+        return NULL;
+    Py_buffer header = {0};
+    if (nargs > 5 && PyObject_GetBuffer(args[5], &header, PyBUF_SIMPLE) < 0) return NULL;
     PyObject *result = NULL;
     if (check(self) < 0) goto done;
     conn *c = conn_of(self, id);
@@ -1233,7 +1303,7 @@ static PyMethodDef Core_methods[] = {
     {"add_listener", METH(Core_add_listener), METH_VARARGS,
      "add_listener(fd, obj, keepalive_idle, keepalive_interval, user_timeout_ms, splice) -> id"},
     {"remove_listener", METH(Core_remove_listener), METH_O, "Stop accepting from `id`."},
-    {"dial", METH(Core_dial), METH_VARARGS | METH_KEYWORDS,
+    {"dial", METH(Core_dial), METH_FASTCALL,
      "dial(conn, host, port, timeout_ms, data, header=b'', bind_host=None)"},
     {"reset", METH(Core_reset), METH_O, "Reset a connection (the client gets a RST)."},
     {"client_fd", METH(Core_client_fd), METH_O, "The client's descriptor of `conn`."},
