@@ -93,6 +93,7 @@ from testbed import (
     Testbed,
     command,
     cpu_model,
+    cpu_seconds,
     cpu_shares,
     install_missing,
     long_lived,
@@ -560,8 +561,14 @@ class Run:
 
             def measured(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
                 before = bed.cpu(pids)
+                each = [cpu_seconds(pid) for pid in pids]
                 got = work()
                 cpu_shares(got, before, bed.cpu(pids), proxy=bool(pids))
+                if len(pids) > 1:  # which process of a proxy spent it (control, workers)
+                    spent = zip(pids, each, strict=True)
+                    got["proxy_cpu_s_by_process"] = [
+                        round(cpu_seconds(pid) - was, 3) for pid, was in spent
+                    ]
                 return got
 
             for kind, close in (("keepalive", False), ("newconn", True)):
