@@ -765,6 +765,22 @@ def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         got = table.get(peer, {}).get(key)
         return got["median"] if got else None
 
+    def paired(peer: str, reference: str) -> dict[str, float]:
+        """Per figure, the median over rounds of that round's ratio: the two were measured
+        minutes apart, so a machine whose speed drifts during the run (other work) moves
+        this less than the ratio of the medians."""
+        out: dict[str, float] = {}
+        mine_s, other_s = samples.get(peer, []), samples.get(reference, [])
+        for fig in FIGURES:
+            each = [
+                m / o
+                for a, b in zip(mine_s, other_s, strict=False)
+                if (m := fig.value(a)) is not None and (o := fig.value(b))
+            ]
+            if each:
+                out[fig.key] = statistics.median(each)
+        return out
+
     for peer, entry in table.items():
         ratios: dict[str, float] = {}
         for fig in FIGURES:
@@ -781,6 +797,7 @@ def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 if mine is not None and other:
                     versus[fig.key] = mine / other
             entry[f"vs_{reference}"] = versus
+            entry[f"vs_{reference}_paired"] = paired(peer, reference)
         mine, kernel = median(peer, "setup"), median("kernel", "setup")
         if peer != "kernel" and mine is not None and kernel is not None:
             entry["setup_added_us"] = mine - kernel
@@ -889,7 +906,14 @@ def markdown(results: dict[str, Any]) -> str:
         mine = [p for p in peers if p.startswith(("proxy-", "py-", "base-", "tproxy-"))]
         lines += [
             "",
-            f"Ratios to {text}:",
+            f"Ratios to {text}"
+            + (
+                "; in parentheses the median of each round's own ratio, which a machine whose"
+                " speed drifts during the run moves less"
+                if results["rounds_done"] > 1
+                else ""
+            )
+            + ":",
             "",
             "| figure | " + " | ".join(labels[p] for p in mine) + " |",
             "|---|" + "---:|" * len(mine),
@@ -899,8 +923,13 @@ def markdown(results: dict[str, Any]) -> str:
                 continue
             cells = []
             for peer in mine:
-                ratio = results["peers"][peer].get(f"vs_{reference}", {}).get(fig.key)
-                cells.append("—" if ratio is None else f"{ratio:.2f}")
+                got = results["peers"][peer]
+                ratio = got.get(f"vs_{reference}", {}).get(fig.key)
+                each = got.get(f"vs_{reference}_paired", {}).get(fig.key)
+                cell = "—" if ratio is None else f"{ratio:.2f}"
+                if each is not None and results["rounds_done"] > 1:
+                    cell += f" ({each:.2f})"
+                cells.append(cell)
             lines.append(f"| {fig.label} | " + " | ".join(cells) + " |")
     errors = {p: results["peers"][p]["errors"] for p in peers if results["peers"][p]["errors"]}
     lines += [
@@ -1073,13 +1102,19 @@ def main() -> int:
     parser.add_argument(
         "--replot",
         action="store_true",
-        help="measure nothing: redraw the charts from --out's peers.json (--quick: peers-quick)",
+        help="measure nothing: the tables and charts again from --out's peers.json"
+        " (--quick: peers-quick)",
     )
     args = parser.parse_args()
     if args.replot:
         name = "peers-quick" if args.quick else "peers"
-        pngs = charts(json.loads((args.out / f"{name}.json").read_text()), args.out)
-        print("wrote " + ", ".join(str(p) for p in pngs))
+        results = json.loads((args.out / f"{name}.json").read_text())
+        # The summary again from the samples, so a change of method reaches a stored run.
+        results["peers"] = summarize(results["samples"])
+        (args.out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+        (args.out / f"{name}.md").write_text(markdown(results))
+        pngs = charts(results, args.out)
+        print(f"wrote {args.out / name}.md, .json, " + ", ".join(str(p) for p in pngs))
         return 0
     quick = args.quick
     for key, full, short in (
