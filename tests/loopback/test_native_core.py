@@ -41,12 +41,9 @@ def core() -> Any:
 
 @pytest.fixture
 def listener() -> Any:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    sock.setblocking(False)
-    yield sock
-    sock.close()
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        sock.setblocking(False)
+        yield sock
 
 
 @pytest.mark.parametrize("source", ["127.0.0.1", "127.10.200.9", "127.255.0.99", "127.1.20.100"])
@@ -67,9 +64,7 @@ def test_native_dial_refuses_bad_arguments_and_the_client_still_waits(
     core: Any, listener: Any
 ) -> None:
     core.add_listener(listener.fileno(), "web", 0, 0, 0, False)
-    backend = socket.socket()
-    backend.bind(("127.0.0.1", 0))
-    backend.listen(4)
+    backend = socket.create_server(("127.0.0.1", 0))
     host, port = backend.getsockname()
     with socket.socket() as client, backend:
         client.connect(listener.getsockname())
