@@ -983,8 +983,12 @@ def charts(results: dict[str, Any], out: Path) -> list[Path]:
         ),
     ]
     shown = [p for p in peers if p != "kernel"]
-    fig, axes = plt.subplots(2, 1, figsize=(8, 10.5))
+    # The legend (two columns, the DNAT line too) gets room for its rows below the panels;
+    # the bars get taller and their labels smaller as peers are added.
+    legend_in = 0.3 * ((len(shown) + 2) // 2) + 0.2
+    fig, axes = plt.subplots(2, 1, figsize=(8, 9.5 + 0.25 * len(shown) + legend_in))
     height = 0.8 / len(shown)
+    label_size = 10 if len(shown) <= 8 else 8
     for ax, (heading, figs) in zip(axes, panels, strict=True):
         top = 0.0
         for i, peer in enumerate(shown):
@@ -992,7 +996,7 @@ def charts(results: dict[str, Any], out: Path) -> list[Path]:
             ys = [j + (i - (len(shown) - 1) / 2) * height for j in range(len(figs))]
             color = colors[peers.index(peer) % len(colors)]
             bars = ax.barh(ys, values, height, label=labels[peer], color=color)
-            ax.bar_label(bars, fmt="%.2f", fontsize=10, padding=3)
+            ax.bar_label(bars, fmt="%.2f", fontsize=label_size, padding=3)
             top = max(top, *values)
         ax.axvline(1.0, color="black", linewidth=1.2, linestyle="--", label="kernel DNAT = 1")
         ax.set_yticks(range(len(figs)), [text for _, text in figs], fontsize=11)
@@ -1003,7 +1007,7 @@ def charts(results: dict[str, Any], out: Path) -> list[Path]:
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncols=2, fontsize=10, frameon=False)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
     first = out / f"{name}-ratios.png"
     fig.savefig(first, dpi=110)
     plt.close(fig)
@@ -1016,8 +1020,10 @@ def charts(results: dict[str, Any], out: Path) -> list[Path]:
         ("rss_start", "RSS after start, MB"),
         ("kib_idle", "RSS per idle connection, KiB"),
     ]
-    # Three rows of two, so that a docs page shows the labels at a readable size.
-    fig, axes = plt.subplots(3, 2, figsize=(8, 9.5))
+    # Three rows of two, so that a docs page shows the labels at a readable size; past six
+    # peers the names stand upright and the values over the bars too, so none touches.
+    many = len(shown) > 6
+    fig, axes = plt.subplots(3, 2, figsize=(8, 11) if many else (8, 9.5))
     for axis, (key, text) in zip(axes.flat, cost_figs, strict=True):
         values = []
         for peer in shown:
@@ -1029,11 +1035,14 @@ def charts(results: dict[str, Any], out: Path) -> list[Path]:
             values,
             color=[colors[(peers.index(p)) % len(colors)] for p in shown],
         )
-        axis.bar_label(bars, fmt="%.3g", fontsize=10)
-        axis.set_ylim(0, max(values) * 1.18)
+        axis.bar_label(bars, fmt="%.3g", fontsize=8 if many else 10, rotation=90 if many else 0)
+        axis.set_ylim(0, max(values) * (1.35 if many else 1.18))
         axis.set_title(text, fontsize=11)
         # "proxy-auto" -> "proxy\nauto": five labels side by side without touching.
-        axis.set_xticks(range(len(shown)), [p.replace("-", "\n") for p in shown], fontsize=10)
+        if many:
+            axis.set_xticks(range(len(shown)), shown, fontsize=9, rotation=90)
+        else:
+            axis.set_xticks(range(len(shown)), [p.replace("-", "\n") for p in shown], fontsize=10)
         axis.tick_params(axis="y", labelsize=10)
     fig.suptitle(
         f"The peers' costs: lower is better (kernel DNAT has no process)\n{title}", fontsize=10
