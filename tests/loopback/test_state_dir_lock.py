@@ -8,11 +8,19 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import select
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from kube_userspace_proxy.restart import statelock
+import pytest
+
+from kube_userspace_proxy import fdpass
+from kube_userspace_proxy.app import lifecycle
+from kube_userspace_proxy.config.settings import ProxyConfig
+from kube_userspace_proxy.errors import ProxyError
+from kube_userspace_proxy.restart import handover, statelock
 from tests.loopback.proxyrun import (
     LOOPBACK_RUN_FLAGS,
     ask,
@@ -145,3 +153,37 @@ async def test_a_proxy_that_stops_lets_the_directory_go(tmp_path: Path) -> None:
         async with running_proxy(loopback_config(manifest, state_dir=str(state))):
             assert _locked_by_someone(state)
         assert not _locked_by_someone(state)
+
+
+async def test_a_holder_that_resets_the_handover_is_named_with_the_directory(
+    tmp_path: Path,
+) -> None:
+    # Three started at once: the one serving hands over to the second and resets the third's
+    # handover connection; the third's one error names the directory, the holder and why.
+    state = str(tmp_path / "state")
+    held = statelock.try_acquire(state)
+    assert held is not None
+    server = fdpass.listen(handover.socket_path(state))
+    reset_one = asyncio.create_task(_accept_and_reset(server))
+    try:
+        with pytest.raises(ProxyError) as error:
+            await lifecycle._own_state_dir(ProxyConfig(state_dir=state, workers="1"))
+        text = str(error.value)
+        assert f"--state-dir {state} is in use by another proxy process (pid {os.getpid()})" in text
+        assert "which did not hand over (the handover from the running proxy" in text
+        assert "Error" in text  # the reset, as the handover saw it
+        await asyncio.wait_for(reset_one, 30)
+    finally:
+        reset_one.cancel()
+        server.close()
+        held.release()
+
+
+async def _accept_and_reset(server: socket.socket) -> None:
+    conn = await fdpass.accept(server)
+    # Its hello arrives, unread: closing now resets the connection.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not select.select([conn], [], [], 0)[0] and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    conn.close()

@@ -87,11 +87,18 @@ async def _own_state_dir(
     # Before anything in it is read or listened to: others must not write there.
     statefile.check_directory(config.state_dir)
     lock = _lock_state_dir(config.state_dir)
-    taken = await handover.take(
-        config.state_dir,
-        max(config.worker_count, 1),
-        wait_exit=config.shutdown_grace + 30,
-    )
+    try:
+        taken = await handover.take(
+            config.state_dir,
+            max(config.worker_count, 1),
+            wait_exit=config.shutdown_grace + 30,
+        )
+    except ProxyError as exc:
+        if lock is not None:
+            raise
+        # Its holder serves on without handing over to this process: for example, it is
+        # handing over to another one started at the same moment.
+        raise ProxyError(_in_use(config.state_dir, f" ({exc})")) from None
     if lock is None and taken is not None and taken.lock_fd >= 0:
         lock = statelock.StateLock.handed_over(config.state_dir, taken.lock_fd)
         taken.lock_fd = -1
@@ -149,12 +156,17 @@ def _lock_state_dir(directory: str, *, required: bool = False) -> statelock.Stat
             f"--state-dir {directory}: cannot lock {statelock.lock_path(directory)}: {exc}"
         ) from None
     if lock is None and required:
-        raise ProxyError(
-            f"--state-dir {directory} is in use by another proxy process (pid"
-            f" {statelock.holder(directory) or 'unknown'}), which did not hand over: one"
-            " process a state directory; stop that one, or give this one another --state-dir"
-        )
+        raise ProxyError(_in_use(directory))
     return lock
+
+
+def _in_use(directory: str, detail: str = "") -> str:
+    """The error of a process that finds `directory` another's; `detail`: why, if known."""
+    return (
+        f"--state-dir {directory} is in use by another proxy process (pid"
+        f" {statelock.holder(directory) or 'unknown'}), which did not hand over{detail}: one"
+        " process a state directory; stop that one, or give this one another --state-dir"
+    )
 
 
 async def _startup(
