@@ -17,8 +17,6 @@ pytestmark = pytest.mark.skipif(
     native.unavailable().startswith("the C extension"), reason="the C extension is not built"
 )
 
-EV_ACCEPTED, EV_DIALED = 1, 2
-
 
 def _events(core: Any, want: int, timeout: float = 30.0) -> list[tuple[Any, ...]]:
     """Run the core until it hands back an event of kind `want`; every event so far."""
@@ -32,9 +30,13 @@ def _events(core: Any, want: int, timeout: float = 30.0) -> list[tuple[Any, ...]
     raise AssertionError(f"no event {want} within {timeout} s: {got}")
 
 
+def _module() -> Any:
+    return importlib.import_module("kube_userspace_proxy.dataplane._native")
+
+
 @pytest.fixture
 def core() -> Any:
-    core = importlib.import_module("kube_userspace_proxy.dataplane._native").Core()
+    core = _module().Core()
     yield core
     core.close()
 
@@ -54,7 +56,8 @@ def test_native_accept_reports_the_clients_address_and_port(
     with socket.socket() as client:
         client.bind((source, 0))
         client.connect(listener.getsockname())
-        event = next(e for e in _events(core, EV_ACCEPTED) if e[0] == EV_ACCEPTED)
+        accepted = _module().EV_ACCEPTED
+        event = next(e for e in _events(core, accepted) if e[0] == accepted)
         assert event[1] == "web"
         assert (event[3], event[4]) == client.getsockname()
         core.reset(event[2])
@@ -68,7 +71,8 @@ def test_native_dial_refuses_bad_arguments_and_the_client_still_waits(
     host, port = backend.getsockname()
     with socket.socket() as client, backend:
         client.connect(listener.getsockname())
-        conn = next(e for e in _events(core, EV_ACCEPTED) if e[0] == EV_ACCEPTED)[2]
+        accepted, dialed_kind = _module().EV_ACCEPTED, _module().EV_DIALED
+        conn = next(e for e in _events(core, accepted) if e[0] == accepted)[2]
         bad: list[tuple[tuple[Any, ...], type[Exception]]] = [
             ((conn, host, port, 100), TypeError),  # too few
             ((conn, host, port, 100, None, b"", None, "x"), TypeError),  # too many
@@ -91,7 +95,7 @@ def test_native_dial_refuses_bad_arguments_and_the_client_still_waits(
                 core.dial(*args)
         # Still waiting for its dial: a good one connects, and bytes flow both ways.
         core.dial(conn, host, port, 2000, ("data",), b"hello ")
-        dialed = next(e for e in _events(core, EV_DIALED) if e[0] == EV_DIALED)
+        dialed = next(e for e in _events(core, dialed_kind) if e[0] == dialed_kind)
         assert dialed[1:4] == (("data",), conn, 0)
         peer, _ = backend.accept()
         with peer:
