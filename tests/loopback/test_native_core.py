@@ -5,6 +5,7 @@ turns into an unreachable endpoint instead of a crash."""
 from __future__ import annotations
 
 import importlib
+import os
 import socket
 import time
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from kube_userspace_proxy.dataplane import native
+from tests import polling
 
 pytestmark = pytest.mark.skipif(
     native.unavailable().startswith("the C extension"), reason="the C extension is not built"
@@ -106,3 +108,48 @@ def test_native_dial_refuses_bad_arguments_and_the_client_still_waits(
                 core.run()
                 got += peer.recv(100)
             assert got == b"hello world"
+
+
+@pytest.mark.parametrize("buffers", [6, 7, 8])
+def test_native_eof_read_on_a_pumps_last_turn_still_reaches_the_client(
+    listener: Any, buffers: int
+) -> None:
+    """A direction reads at most 8 times a wakeup (then other connections get their turn). The
+    endpoint's data and its FIN wait together, and with 7 full buffers the FIN is read on the
+    8th, last, read: the EOF must still be passed on (FIN to the client), with no further
+    event to come from the endpoint, whose socket is done."""
+    size = 1024
+    core = _module().Core(buffer_size=size)
+    try:
+        core.add_listener(listener.fileno(), "web", 0, 0, 0, False)  # copy, no splice
+        with socket.socket() as client, socket.create_server(("127.0.0.1", 0)) as backend:
+            client.connect(listener.getsockname())
+            accepted, dialed = _module().EV_ACCEPTED, _module().EV_DIALED
+            conn = next(e for e in _events(core, accepted) if e[0] == accepted)[2]
+            core.dial(conn, *backend.getsockname(), 2000, None)
+            assert next(e for e in _events(core, dialed) if e[0] == dialed)[3] == 0
+            peer, _ = backend.accept()
+            with peer:
+                data = os.urandom(buffers * size)
+                peer.sendall(data)
+                peer.shutdown(socket.SHUT_WR)  # its FIN waits behind the data
+                time.sleep(0.05)  # both are in the proxy's receive queue before it runs
+                client.setblocking(False)
+                got = b""
+                eof = False
+
+                def arrived() -> bool:
+                    nonlocal got, eof
+                    core.run()
+                    try:
+                        while chunk := client.recv(65536):
+                            got += chunk
+                        eof = True
+                    except BlockingIOError:
+                        pass
+                    return eof
+
+                polling.poll(arrived, "the endpoint's data, then EOF, at the client", 30, 0.01)
+                assert got == data
+    finally:
+        core.close()

@@ -566,8 +566,10 @@ static int pump(Core *self, conn *c, dir_t *d, int src, int dst, uint8_t *rd, ui
             return P_WAIT;
         }
     }
-    /* Out of turns: what the last turn read still waits to be written, or more to read. */
-    return (*rd || d->len > d->off || d->in_pipe) ? P_MORE : P_IDLE;
+    /* Out of turns: what the last turn read still waits to be written, or more to read, or
+     * the EOF it read still waits to be passed on (no event will come for it: the source is
+     * done). */
+    return (*rd || d->len > d->off || d->in_pipe || (d->eof && !d->done)) ? P_MORE : P_IDLE;
 }
 
 /* Run both directions of an open connection; end it when both are done or on an error. */
