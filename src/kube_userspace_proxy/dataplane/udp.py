@@ -239,6 +239,10 @@ class UdpListener:
         self.transport = self._transport = (
             await self._loop.create_datagram_endpoint(lambda: protocol, sock=self._sock)
         )[0]
+        if hasattr(self._transport, "max_size"):
+            # asyncio's transport reads into a new 256 KiB object per datagram (past malloc's
+            # mmap threshold: an mmap and munmap each); no UDP datagram is larger than this.
+            self._transport.max_size = _MAX_DATAGRAM
 
     def set_picker(self, picker: Picker) -> None:
         """Use another picker for new sessions, then `refresh()`."""
