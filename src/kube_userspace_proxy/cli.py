@@ -519,7 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.write_config_to:
             return _write_config(config, args.write_config_to)
         set_oom_score_adj(config.oom_score_adj)
-        return app.run_loop(app.serve(config), config.event_loop)
+        serves_native = app.serves_native(config)
+        return app.run_loop(app.serve(config), config.event_loop, serves_native=serves_native)
     except InvalidConfigError as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return EXIT_INVALID

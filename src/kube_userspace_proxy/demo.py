@@ -281,10 +281,11 @@ def _print_try(proxy: app.Proxy) -> None:
         print(f"  curl -s http://127.0.0.1:{ops.healthz_port}/healthz")
 
 
-def main(*, serve: bool = False, requests: int = 30, event_loop: str = "uvloop") -> int:
+def main(*, serve: bool = False, requests: int = 30, event_loop: str = "auto") -> int:
     """Run the demo; exit code 0 when every request was answered."""
+    serves_native = app.serves_native(demo_config(FsPath(".")))
     try:
-        return app.run_loop(_run(serve, requests), event_loop)
+        return app.run_loop(_run(serve, requests), event_loop, serves_native=serves_native)
     except OSError as exc:
         print(f"kube-userspace-proxy demo: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -1,6 +1,8 @@
 """Real loopback backends for the data-plane tests, a test picker, and loop selection.
 
-Every data-plane test runs on uvloop; tests marked
+Every data-plane test runs on uvloop and on the loop that waits in the native core
+(`coreloop`: what `--event-loop auto` gives a process serving the native data plane; it
+carries the Python data plane and UDP too); tests marked
 `pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])` run on plain asyncio too
 (all of them with KUP_BOTH_LOOPS=1 in the environment).
 tests/loopback is not a package, so helpers reach the tests as fixtures.
@@ -22,13 +24,17 @@ import pytest
 import uvloop
 
 from kube_userspace_proxy.balancer import EndpointTally
-from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener
+from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, coreloop
 from tests import polling
 
 DATAPLANE_FILES = {"test_tcp.py", "test_udp.py", "test_handover_paths.py"}
 LOOPS: Mapping[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "uvloop": uvloop.new_event_loop,
     "asyncio": asyncio.new_event_loop,
+}
+SERVING_LOOPS: Mapping[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "uvloop": uvloop.new_event_loop,
+    "coreloop": coreloop.new_event_loop,
 }
 
 
@@ -37,11 +43,12 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
     if item.path.name not in DATAPLANE_FILES:
         return {"asyncio": asyncio.new_event_loop}
     marker = item.get_closest_marker("asyncio")
+    loops = dict(SERVING_LOOPS)
     if os.environ.get("KUP_BOTH_LOOPS") or (
         marker is not None and marker.kwargs.get("loop_factories")
     ):
-        return LOOPS
-    return {"uvloop": uvloop.new_event_loop}
+        loops["asyncio"] = asyncio.new_event_loop
+    return loops
 
 
 async def _eventually(

@@ -92,7 +92,9 @@ async def test_the_data_plane_that_serves_is_said_in_the_log_and_in_metrics(
             server.close()
     logged = log.read_text()
     assert f'kube_userspace_proxy_dataplane_info{{dataplane="{serves}"}} 1' in text
-    assert f"TCP data plane: {serves}" in logged
+    # Where the native data plane serves, the workers wait in its core (--event-loop auto).
+    where = "asyncio waiting in the native core" if serves == "native" else "uvloop"
+    assert f"TCP data plane: {serves} (event loop where it serves: {where})" in logged
     assert logged.count(FALLBACK) == (1 if (flag, extension) == ("auto", False) else 0), logged
 
 

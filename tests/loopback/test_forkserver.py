@@ -4,6 +4,7 @@ a worker's slot is served again after the worker, or the fork server itself, die
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -173,3 +174,21 @@ async def test_a_dead_fork_server_is_restarted_and_workers_are_still_replaced(
         assert _parent(new) == second
     await wait_for(lambda: pool.alive == WORKERS, 30, "both workers")
     await _every_client_served(proxy)
+
+
+async def test_each_worker_waits_in_one_epoll_set_the_native_cores(proxy: app.Proxy) -> None:
+    """--event-loop auto: a worker serving the native data plane runs asyncio waiting in the
+    core (dataplane/coreloop.py), so it holds one epoll instance, the core's; nested in uvloop
+    (--event-loop uvloop) it would hold two."""
+    assert proxy.dataplane == "native", "the extension is built wherever the suite runs"
+    await _every_client_served(proxy)
+    for pid in _pool(proxy).pids():
+        assert _epoll_instances(pid) == 1, pid
+
+
+def _epoll_instances(pid: int) -> int:
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            count += os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[eventpoll]"
+    return count

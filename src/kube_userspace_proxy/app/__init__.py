@@ -1,7 +1,7 @@
 """The control process's wiring and life: sources -> state -> pipeline -> proxier, ops, signals.
 
 - `lifecycle`: the process's life, top to bottom: `serve -> startup -> main loop -> shutdown`;
-  signals; `run_loop` (uvloop or asyncio).
+  signals; `run_loop` (the native core's loop, uvloop or asyncio).
 - `rulestext`: the `rules` command's text: the rules `run` would install, each explained; what
   the proxy decides itself (endpoints used and not, affinity); what it ignored, and why.
 - `proxy`: the `Proxy` object, its parts wired together (sources' state, proxier, workers,
@@ -17,8 +17,8 @@
 The entry points the CLI, the demo and tests use are re-exported here.
 """
 
-from kube_userspace_proxy.app.lifecycle import build, run_loop, serve
+from kube_userspace_proxy.app.lifecycle import build, run_loop, serve, serves_native
 from kube_userspace_proxy.app.proxy import Proxy
 from kube_userspace_proxy.app.rulestext import rules_text
 
-__all__ = ["Proxy", "build", "rules_text", "run_loop", "serve"]
+__all__ = ["Proxy", "build", "rules_text", "run_loop", "serve", "serves_native"]

@@ -13,8 +13,6 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar, cast
 
-import uvloop
-
 from kube_userspace_proxy import logs
 from kube_userspace_proxy.app.handover import Giver, hand_over, ops_sockets, take_over
 from kube_userspace_proxy.app.proxy import Proxy
@@ -23,6 +21,7 @@ from kube_userspace_proxy.cluster.sources.manifests import ManifestSource
 from kube_userspace_proxy.cluster.state import ClusterState
 from kube_userspace_proxy.config import kubeproxy as kpc
 from kube_userspace_proxy.config.settings import ProxyConfig, effective_document
+from kube_userspace_proxy.dataplane import coreloop, tcp
 from kube_userspace_proxy.errors import ProxyError
 from kube_userspace_proxy.model import Snapshot
 from kube_userspace_proxy.ops.health import watch_lag
@@ -65,7 +64,12 @@ async def serve(
             lock.release()
         raise
     proxy.state_lock = lock
-    log.info("TCP data plane: %s", proxy.dataplane)
+    serving = coreloop.choose(config.event_loop, serves_native=proxy.dataplane == "native")
+    log.info(
+        "TCP data plane: %s (event loop where it serves: %s)",
+        proxy.dataplane,
+        coreloop.DESCRIPTIONS[serving],
+    )
     # Until the first sync, nearly all that is built lives on (see collector.py).
     proxy.first_build.begin()
     try:
@@ -348,8 +352,21 @@ def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
     stop.set()
 
 
-def run_loop(main: Coroutine[Any, Any, T], event_loop: str = "uvloop") -> T:
-    """Run `main` on uvloop (or plain asyncio) and return its result."""
-    factory = uvloop.new_event_loop if event_loop == "uvloop" else None
-    with asyncio.Runner(loop_factory=factory) as runner:
+def serves_native(config: ProxyConfig) -> bool:
+    """Whether this process will serve the native data plane (one process, no workers)."""
+    if config.worker_count > 1:
+        return False
+    try:
+        return tcp.resolve(config.dataplane) == "native"
+    except ValueError:  # not built: serve() says so
+        return False
+
+
+def run_loop(
+    main: Coroutine[Any, Any, T], event_loop: str = "auto", *, serves_native: bool = False
+) -> T:
+    """Run `main` on the loop --event-loop `event_loop` gives this process; its result."""
+    chosen = coreloop.choose(event_loop, serves_native=serves_native)
+    log.debug("event loop: %s", coreloop.DESCRIPTIONS[chosen])
+    with asyncio.Runner(loop_factory=coreloop.factory(chosen)) as runner:
         return runner.run(main)

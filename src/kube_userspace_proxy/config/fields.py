@@ -167,7 +167,7 @@ RUN_FIELDS: tuple[Field, ...] = (
         "event_loop",
         "choice",
         "",
-        ("uvloop", "asyncio"),
+        ("auto", "uvloop", "asyncio"),
         commands=frozenset({"run", "demo"}),
     ),
     Field(

@@ -55,7 +55,7 @@ enum { C_FREE = 0, C_WAITING, C_DIALING, C_OPEN };
 
 /* epoll data: a slot index << 2 | what it is. */
 enum { TAG_CLIENT = 0, TAG_BACKEND = 1, TAG_LISTENER = 2, TAG_SPECIAL = 3 };
-enum { SPECIAL_TIMER = 0, SPECIAL_WAKE = 1 };
+enum { SPECIAL_TIMER = 0, SPECIAL_WAKE = 1, SPECIAL_FDS = 2 /* + a descriptor Python watches */ };
 
 #define ACCEPT_BURST 64
 #define PUMP_TURNS 8       /* reads or splices per direction per wakeup: then others' turn */
@@ -1111,17 +1111,32 @@ static PyObject *Core_client_fd(Core *self, PyObject *id) {
     return PyLong_FromLong(c->cfd);
 }
 
-/* run() -> the batch of events: [(kind, ...), ...]. */
-static PyObject *Core_run(Core *self, PyObject *Py_UNUSED(ignored)) {
+/* Wait up to `timeout_ms` (0: do not wait; the GIL is released while waiting), then handle
+ * every ready event. Returns the batch for Python (the events built so far included), or NULL
+ * with an exception. The readiness of descriptors Python watches through `watch_fd` is
+ * appended to `ready` as (fd, mask) with the selectors module's EVENT_READ (1) and
+ * EVENT_WRITE (2). *interrupted is set when the wait was interrupted by a signal. */
+static PyObject *core_turn(Core *self, int timeout_ms, PyObject *ready, int *interrupted) {
     if (check(self) < 0) return NULL;
     PyObject *out = self->out ? self->out : PyList_New(0);
     if (!out) return NULL;
     self->out = out;
-    int n = epoll_wait(self->epfd, self->events, self->max_events, 0);
-    if (n < 0 && errno != EINTR) {
-        self->out = NULL;
-        Py_DECREF(out);
-        return PyErr_SetFromErrno(PyExc_OSError);
+    int n;
+    if (timeout_ms == 0) {
+        n = epoll_wait(self->epfd, self->events, self->max_events, 0);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        n = epoll_wait(self->epfd, self->events, self->max_events, timeout_ms);
+        Py_END_ALLOW_THREADS
+    }
+    if (n < 0) {
+        if (errno != EINTR) {
+            self->out = NULL;
+            Py_DECREF(out);
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        n = 0;
+        if (interrupted) *interrupted = 1;
     }
     int64_t now = now_ns();
     /* What stopped at its turn limit last time goes first. */
@@ -1150,10 +1165,21 @@ static PyObject *Core_run(Core *self, PyObject *Py_UNUSED(ignored)) {
         case TAG_SPECIAL:
             if (index == SPECIAL_TIMER) {
                 if (on_timers(self, now) < 0) goto error;
-            } else {
+            } else if (index == SPECIAL_WAKE) {
                 uint64_t v;
                 if (read(self->efd, &v, sizeof(v)) < 0 && errno != EAGAIN) break;
                 self->woken = 0;
+            } else if (ready) {  /* a descriptor Python watches (watch_fd) */
+                long mask = 0;
+                if (events & ~(uint32_t)EPOLLOUT) mask |= 1;
+                if (events & ~(uint32_t)EPOLLIN) mask |= 2;
+                PyObject *items[] = {PyLong_FromSsize_t((Py_ssize_t)(index - SPECIAL_FDS)),
+                                     PyLong_FromLong(mask)};
+                PyObject *item = tuple_of(2, items);
+                if (!item) goto error;
+                int r = PyList_Append(ready, item);
+                Py_DECREF(item);
+                if (r < 0) goto error;
             }
             break;
         default: {
@@ -1178,16 +1204,119 @@ static PyObject *Core_run(Core *self, PyObject *Py_UNUSED(ignored)) {
         }
         }
     }
-    if (self->qhead && !self->woken) {
-        uint64_t one = 1;
-        if (write(self->efd, &one, sizeof(one)) == sizeof(one)) self->woken = 1;
-    }
     self->out = NULL;
     return out;
 error:
     self->out = NULL;
     Py_DECREF(out);
     return NULL;
+}
+
+/* run() -> the batch of events: [(kind, ...), ...]. */
+static PyObject *Core_run(Core *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = core_turn(self, 0, NULL, NULL);
+    if (out && self->qhead && !self->woken) {  /* the rest of the work: another wakeup */
+        uint64_t one = 1;
+        if (write(self->efd, &one, sizeof(one)) == sizeof(one)) self->woken = 1;
+    }
+    return out;
+}
+
+/* select(timeout_ms, handler, io_handler=None) -> [(fd, mask), ...]: the wait of an event loop
+ * whose selector this core is (coreloop.py). It waits for the descriptors Python watches
+ * (watch_fd) and the core's own together, moves bytes in C, and calls `handler(batch)` for
+ * each batch of core events that needs Python and `io_handler(ready)` for the watched
+ * descriptors that are ready (without one, it returns them). Either returns true when the loop
+ * has callbacks to run. The wait returns to the loop when that happens, a signal interrupts
+ * it, the timeout (ms; -1: none) passes, or the core is closed. */
+static PyObject *Core_select(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 2 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "select(timeout_ms, handler, io_handler=None)");
+        return NULL;
+    }
+    long timeout_ms = PyLong_AsLong(args[0]);
+    if (timeout_ms == -1 && PyErr_Occurred()) return NULL;
+    PyObject *handler = args[1], *io_handler = nargs > 2 ? args[2] : Py_None;
+    if (!PyCallable_Check(handler) || (io_handler != Py_None && !PyCallable_Check(io_handler))) {
+        PyErr_SetString(PyExc_TypeError, "select: the handlers must be callable");
+        return NULL;
+    }
+    if (io_handler == Py_None) io_handler = NULL;
+    if (timeout_ms > INT_MAX) timeout_ms = INT_MAX;
+    int64_t deadline = timeout_ms < 0 ? -1 : now_ns() + (int64_t)timeout_ms * 1000000LL;
+    PyObject *ready = NULL;
+    for (;;) {
+        int wait_ms;
+        if (self->qhead) {
+            wait_ms = 0;
+        } else if (deadline < 0) {
+            wait_ms = -1;
+        } else {
+            int64_t left = deadline - now_ns();
+            wait_ms = left <= 0 ? 0 : (int)((left + 999999) / 1000000);
+        }
+        if (!ready && !(ready = PyList_New(0))) return NULL;
+        int interrupted = 0;
+        PyObject *out = core_turn(self, wait_ms, ready, &interrupted);
+        if (!out) goto error;
+        int turn = interrupted;
+        if (PyList_GET_SIZE(out) > 0) {
+            PyObject *r = PyObject_CallOneArg(handler, out);
+            Py_DECREF(out);
+            if (!r) goto error;
+            int t = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (t < 0) goto error;
+            turn |= t;
+        } else {
+            Py_DECREF(out);
+        }
+        if (PyList_GET_SIZE(ready) > 0) {
+            if (!io_handler) break;  /* the caller takes them */
+            PyObject *r = PyObject_CallOneArg(io_handler, ready);
+            Py_CLEAR(ready);
+            if (!r) goto error;
+            int t = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (t < 0) goto error;
+            turn |= t;
+        }
+        if (turn || !self->ready) break;
+        if (!self->qhead && deadline >= 0 && now_ns() >= deadline) break;
+    }
+    return ready ? ready : PyList_New(0);
+error:
+    Py_XDECREF(ready);
+    return NULL;
+}
+
+/* watch_fd(fd, mask): watch `fd` (level-triggered) for EVENT_READ (1) and EVENT_WRITE (2), as
+ * the selector of an event loop; mask 0 stops watching it. */
+static PyObject *Core_watch_fd(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "watch_fd(fd, mask, new)");
+        return NULL;
+    }
+    if (check(self) < 0) return NULL;
+    long fd = PyLong_AsLong(args[0]), mask = PyLong_AsLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    int add = PyObject_IsTrue(args[2]);
+    if (add < 0) return NULL;
+    if (fd < 0 || fd > INT_MAX || fd == self->epfd || mask < 0 || mask > 3) {
+        PyErr_SetString(PyExc_ValueError, "watch_fd: not a descriptor this core can watch");
+        return NULL;
+    }
+    if (mask == 0) {
+        if (epoll_ctl(self->epfd, EPOLL_CTL_DEL, (int)fd, NULL) < 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+        Py_RETURN_NONE;
+    }
+    struct epoll_event ev;
+    ev.events = ((mask & 1) ? EPOLLIN : 0) | ((mask & 2) ? EPOLLOUT : 0);
+    ev.data.u64 = ((uint64_t)(SPECIAL_FDS + (uint64_t)fd) << 2) | TAG_SPECIAL;
+    if (epoll_ctl(self->epfd, add ? EPOLL_CTL_ADD : EPOLL_CTL_MOD, (int)fd, &ev) < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
 }
 
 /* counts() -> [(data, bytes_in, bytes_out), ...] moved by open connections since the last
@@ -1310,6 +1439,10 @@ static PyMethodDef Core_methods[] = {
     {"reset", METH(Core_reset), METH_O, "Reset a connection (the client gets a RST)."},
     {"client_fd", METH(Core_client_fd), METH_O, "The client's descriptor of `conn`."},
     {"run", METH(Core_run), METH_NOARGS, "Handle every ready event; the batch for Python."},
+    {"select", METH(Core_select), METH_FASTCALL,
+     "select(timeout_ms, handler, io_handler=None) -> [(fd, mask), ...]: an event loop's wait."},
+    {"watch_fd", METH(Core_watch_fd), METH_FASTCALL,
+     "watch_fd(fd, mask, new): watch fd for read (1) and write (2); mask 0: stop."},
     {"dispatch", METH(Core_dispatch), METH_O,
      "dispatch(handler): run(), then handler(batch) if the batch is not empty."},
     {"counts", METH(Core_counts), METH_NOARGS, "Bytes moved by open connections."},

@@ -75,13 +75,16 @@ class NativePlane:
     ended), which is what `TcpListener.active_connections` and `drain` read.
     """
 
-    __slots__ = ("_closing", "core", "idle", "listeners", "loop", "open")
+    __slots__ = ("_closing", "core", "idle", "listeners", "loop", "open", "owned")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         if _native is None:
             raise RuntimeError(f"the native data plane is not available: {unavailable()}")
         self.loop = loop
-        self.core: Any = _native.Core()
+        # --event-loop native: the loop waits in its selector's core, which is this plane's.
+        selector = getattr(loop, "core_selector", None)
+        self.owned = selector is not None
+        self.core: Any = selector.core if selector is not None else new_core()
         # Connections accepted and not ended, per listener.
         self.open: dict[TcpListener, int] = {}
         # The listeners that use this plane (started, not closed): the plane closes, with its
@@ -90,6 +93,9 @@ class NativePlane:
         # drain(): per listener, resolved when its last connection ends.
         self.idle: dict[TcpListener, asyncio.Future[None]] = {}
         self._closing = False
+        if selector is not None:
+            selector.handler = self._handle  # called from inside the loop's wait
+            return
         # A wakeup that only moved bytes calls no Python: the core runs, and calls _handle
         # only with a batch of events that need a decision or a count.
         loop.add_reader(self.core.fileno(), self.core.dispatch, self._handle)
@@ -104,7 +110,8 @@ class NativePlane:
         self._close_if_unused()
 
     def _close_if_unused(self) -> None:
-        if not self.listeners and not self.open:
+        # A core the loop waits in lives as long as the loop.
+        if not self.listeners and not self.open and not self.owned:
             self.close()
 
     # ---- listeners ----------------------------------------------------------------------
@@ -175,6 +182,8 @@ class NativePlane:
         self._closing = True
         if _planes.get(self.loop) is self:
             del _planes[self.loop]
+        if self.owned:  # the loop waits in this core: it closes it with itself
+            return
         if not self.loop.is_closed():
             self.loop.remove_reader(self.core.fileno())
         self.core.close()
@@ -331,6 +340,13 @@ def _proxy_header(version: int, fd: int, ip: str, port: int) -> bytes:
         return proxyproto.for_connection(version, sock, (ip, port))
     finally:
         sock.detach()
+
+
+def new_core() -> Any:
+    """A new core (the C extension's `Core`): an epoll set and the connections it holds."""
+    if _native is None:
+        raise RuntimeError(f"the native data plane is not available: {unavailable()}")
+    return _native.Core()
 
 
 _planes: dict[asyncio.AbstractEventLoop, NativePlane] = {}

@@ -150,8 +150,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) < 2 or args[0] != "--fd":
         sys.stderr.write("usage: forkserver --fd N [worker options]\n")
         return 2
-    if "--event-loop" not in args or args[args.index("--event-loop") + 1] == "uvloop":
-        import uvloop  # noqa: F401, PLC0415 - shared with the workers that will use it
+    # Shared with the workers that will use them (auto: the core's loop, or uvloop).
+    if "--event-loop" not in args or args[args.index("--event-loop") + 1] != "asyncio":
+        import uvloop  # noqa: F401, PLC0415
+
+        from kube_userspace_proxy.dataplane import coreloop  # noqa: F401, PLC0415
 
     with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
         comm.write("kup-forkserver")

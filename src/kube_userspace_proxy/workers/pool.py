@@ -280,7 +280,7 @@ class WorkerPool:
         tcp_keepalive: float = 15.0,
         verbosity: int = 0,
         log_format: str = "text",
-        event_loop: str = "uvloop",
+        event_loop: str = "auto",
         dataplane: str = "auto",
     ) -> None:
         self.count = count

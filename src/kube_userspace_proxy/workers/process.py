@@ -35,7 +35,14 @@ from kube_userspace_proxy.balancer import (
     Transparency,
     source_policy,
 )
-from kube_userspace_proxy.dataplane import ConnStats, TcpListener, UdpListener, native, steering
+from kube_userspace_proxy.dataplane import (
+    ConnStats,
+    TcpListener,
+    UdpListener,
+    coreloop,
+    native,
+    steering,
+)
 from kube_userspace_proxy.dataplane.stats import COUNTERS
 from kube_userspace_proxy.dataplane.tcp import DATAPLANES, is_listening, set_default
 from kube_userspace_proxy.model import (
@@ -614,17 +621,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("-v", dest="verbosity", type=int, default=0)
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
-    parser.add_argument("--event-loop", choices=("uvloop", "asyncio"), default="uvloop")
+    parser.add_argument("--event-loop", choices=coreloop.EVENT_LOOPS, default="auto")
     parser.add_argument("--dataplane", choices=DATAPLANES, default="auto")
     args = parser.parse_args(argv)
     logs.setup(args.verbosity, args.log_format)
-    set_default(args.dataplane)  # the control process checked that it is available
-    factory = None
-    if args.event_loop == "uvloop":
-        import uvloop  # noqa: PLC0415 - only the chosen loop is imported
-
-        factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
+    # The control process checked that it is available.
+    serves_native = set_default(args.dataplane) == "native"
+    loop = coreloop.choose(args.event_loop, serves_native=serves_native)
+    with asyncio.Runner(loop_factory=coreloop.factory(loop)) as runner:
         return runner.run(_main(args))
 
 
