@@ -1,10 +1,12 @@
 """Data-plane throughput and connection rate through TcpListener vs direct, on 127.0.0.1.
 
 One run, its own backends, bounded in bytes, rounds and seconds. Processes: this one (the
-clients), a backend process, and a proxy process per mode (native: the native data plane;
-splice: the Python data plane; copy: the Python data plane without splice; haproxy: HAProxy
-`nbthread 1`, the reference; with `--baseline SRC` the Python modes again from another
-checkout's `src`, e.g. today's main, so before and after are measured side by side). Reports:
+clients), a backend process, and a proxy process per mode (native: the native data plane,
+its core nested in the event loop of `--loop`; native-loop: the native data plane on the loop
+that waits in its core, as `--event-loop auto` runs it; splice: the Python data plane; copy:
+the Python data plane without splice; haproxy: HAProxy `nbthread 1`, the reference; with
+`--baseline SRC` the Python modes again from another checkout's `src`, e.g. today's main, so
+before and after are measured side by side). Reports:
 
   (a) bulk: `--bytes` (default 1 GiB; 0 skips it) sent client -> backend, direct and through
       the proxy; throughput, ratio to direct, and the proxy's CPU seconds per GiB (from /proc).
@@ -24,7 +26,8 @@ with py-spy (the `bench` extra) over the whole run, as collapsed stacks (DIR/PAT
 flamegraph.pl or speedscope).
 
     .venv/bin/python benchmarks/loopback.py [--bytes 1073741824] [--seconds 2] [--rounds 3]
-        [--concurrency 32] [--loop uvloop|asyncio] [--modes native,splice,copy,haproxy]
+        [--concurrency 32] [--loop uvloop|asyncio]
+        [--modes native,native-loop,splice,copy,haproxy]
         [--baseline /tmp/base/src] [--profile DIR] [--syscalls] [--json]
 """
 
@@ -64,6 +67,11 @@ MAX_REQUESTS = 1_000_000  # per keep-alive connection, on top of the time bound
 def _run(main: Any, loop_kind: str) -> None:
     if loop_kind == "uvloop":
         uvloop.run(main)
+    elif loop_kind == "native":  # the native core's wait is the loop's (--event-loop native)
+        from kube_userspace_proxy.dataplane import coreloop
+
+        with asyncio.Runner(loop_factory=coreloop.new_event_loop) as runner:
+            runner.run(main)
     else:
         asyncio.run(main)
 
@@ -413,7 +421,8 @@ def main() -> int:
     parser.add_argument(
         "--modes",
         default="native,splice,copy,haproxy",
-        help="paths besides direct: native, splice (Python), copy (Python without splice),"
+        help="paths besides direct: native (nested in --loop), native-loop (the core's loop),"
+        " splice (Python), copy (Python without splice),"
         " haproxy (reference, if installed)",
     )
     parser.add_argument(
@@ -473,14 +482,15 @@ def main() -> int:
                 paths["haproxy"], pids["haproxy"] = ports, haproxy.pid
                 continue
             trees = [("proxy", None)] + ([("base", args.baseline)] if args.baseline else [])
-            if mode == "native":
+            if mode in {"native", "native-loop"}:
                 trees = trees[:1]  # a baseline from before the native data plane has none
             for label, src in trees:
                 keepalive = args.keepalive if src is None else None  # main has no such setting
-                plane = "native" if mode == "native" else "python"
+                plane = "native" if mode.startswith("native") else "python"
                 splice = mode != "copy"
+                loop = "native" if mode == "native-loop" else args.loop
                 proc, conn, ports = start(
-                    proxy_main, addresses, splice, args.loop, src, keepalive, plane
+                    proxy_main, addresses, splice, loop, src, keepalive, plane
                 )
                 name = f"{label}-{mode}"
                 proxies[name] = (proc, conn)
