@@ -48,11 +48,16 @@ def _metrics(port: int) -> str:
 
 
 @pytest.mark.parametrize(
-    ("flag", "extension", "serves"),
-    [("auto", True, "native"), ("auto", False, "python"), ("python", True, "python")],
+    ("flag", "extension", "serves", "event_loop"),
+    [
+        ("auto", True, "native", "auto"),
+        ("auto", False, "python", "auto"),
+        ("python", True, "python", "auto"),
+        ("auto", True, "native", "uvloop"),  # the core nested in uvloop's wait, as before
+    ],
 )
 async def test_the_data_plane_that_serves_is_said_in_the_log_and_in_metrics(
-    tmp_path: Path, flag: str, extension: bool, serves: str
+    tmp_path: Path, flag: str, extension: bool, serves: str, event_loop: str
 ) -> None:
     assert "not built" not in native.unavailable(), "the suite runs with the extension built"
     backends = await start_named_backends(["pod-a"])
@@ -73,6 +78,7 @@ async def test_the_data_plane_that_serves_is_said_in_the_log_and_in_metrics(
     flags += ["--healthz-bind-address", "127.0.0.1:0"]
     flags += ["--metrics-bind-address", f"127.0.0.1:{metrics}", "--manifests", str(manifest)]
     flags += ["--workers", "2", "--loopback-endpoints", "allow", "--dataplane", flag]
+    flags += ["--event-loop", event_loop]
     flags += ["--state-dir", str(tmp_path / "state")]
     with open(log, "wb") as out:
         proc = subprocess.Popen([*CLI, "run", *flags], stdout=out, stderr=out, env=env)
@@ -93,7 +99,8 @@ async def test_the_data_plane_that_serves_is_said_in_the_log_and_in_metrics(
     logged = log.read_text()
     assert f'kube_userspace_proxy_dataplane_info{{dataplane="{serves}"}} 1' in text
     # Where the native data plane serves, the workers wait in its core (--event-loop auto).
-    where = "asyncio waiting in the native core" if serves == "native" else "uvloop"
+    waits_in_core = serves == "native" and event_loop == "auto"
+    where = "asyncio waiting in the native core" if waits_in_core else "uvloop"
     assert f"TCP data plane: {serves} (event loop where it serves: {where})" in logged
     assert logged.count(FALLBACK) == (1 if (flag, extension) == ("auto", False) else 0), logged
 

@@ -1222,6 +1222,15 @@ static PyObject *Core_run(Core *self, PyObject *Py_UNUSED(ignored)) {
     return out;
 }
 
+/* callable(arg): whether it asks for the loop's turn (1), not (0), or an exception (-1). */
+static int call_for_turn(PyObject *callable, PyObject *arg) {
+    PyObject *r = PyObject_CallOneArg(callable, arg);
+    if (!r) return -1;
+    int t = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return t;
+}
+
 /* select(timeout_ms, handler, io_handler=None) -> [(fd, mask), ...]: the wait of an event loop
  * whose selector this core is (coreloop.py). It waits for the descriptors Python watches
  * (watch_fd) and the core's own together, moves bytes in C, and calls `handler(batch)` for
@@ -1260,24 +1269,14 @@ static PyObject *Core_select(Core *self, PyObject *const *args, Py_ssize_t nargs
         PyObject *out = core_turn(self, wait_ms, ready, &interrupted);
         if (!out) goto error;
         int turn = interrupted;
-        if (PyList_GET_SIZE(out) > 0) {
-            PyObject *r = PyObject_CallOneArg(handler, out);
-            Py_DECREF(out);
-            if (!r) goto error;
-            int t = PyObject_IsTrue(r);
-            Py_DECREF(r);
-            if (t < 0) goto error;
-            turn |= t;
-        } else {
-            Py_DECREF(out);
-        }
+        int t = PyList_GET_SIZE(out) > 0 ? call_for_turn(handler, out) : 0;
+        Py_DECREF(out);
+        if (t < 0) goto error;
+        turn |= t;
         if (PyList_GET_SIZE(ready) > 0) {
             if (!io_handler) break;  /* the caller takes them */
-            PyObject *r = PyObject_CallOneArg(io_handler, ready);
+            t = call_for_turn(io_handler, ready);
             Py_CLEAR(ready);
-            if (!r) goto error;
-            int t = PyObject_IsTrue(r);
-            Py_DECREF(r);
             if (t < 0) goto error;
             turn |= t;
         }
