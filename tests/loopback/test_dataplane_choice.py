@@ -54,6 +54,7 @@ def _metrics(port: int) -> str:
         ("auto", False, "python", "auto"),
         ("python", True, "python", "auto"),
         ("auto", True, "native", "uvloop"),  # the core nested in uvloop's wait, as before
+        ("auto", True, "native", "native"),
     ],
 )
 async def test_the_data_plane_that_serves_is_said_in_the_log_and_in_metrics(
@@ -99,7 +100,7 @@ async def test_the_data_plane_that_serves_is_said_in_the_log_and_in_metrics(
     logged = log.read_text()
     assert f'kube_userspace_proxy_dataplane_info{{dataplane="{serves}"}} 1' in text
     # Where the native data plane serves, the workers wait in its core (--event-loop auto).
-    waits_in_core = serves == "native" and event_loop == "auto"
+    waits_in_core = serves == "native" and event_loop in ("auto", "native")
     where = "asyncio waiting in the native core" if waits_in_core else "uvloop"
     assert f"TCP data plane: {serves} (event loop where it serves: {where})" in logged
     assert logged.count(FALLBACK) == (1 if (flag, extension) == ("auto", False) else 0), logged

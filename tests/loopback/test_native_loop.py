@@ -338,3 +338,35 @@ def test_core_select_and_watch_fd_check_their_arguments() -> None:
         core.close()
     with pytest.raises(RuntimeError, match="closed"):
         core.select(0, lambda events: False)
+
+
+@pytest.mark.parametrize(
+    ("event_loop", "serves_native", "control", "runs"),
+    [
+        ("auto", True, False, "native"),  # a worker serving the native data plane
+        ("auto", True, True, "uvloop"),  # the control process, serving too (--workers 1)
+        ("auto", False, False, "uvloop"),  # a worker serving the Python data plane
+        ("auto", False, True, "uvloop"),
+        ("native", True, True, "native"),  # asked for: the one process waits in the core too
+        ("native", True, False, "native"),
+        ("native", False, True, "uvloop"),  # nothing native serves here
+        ("uvloop", True, False, "uvloop"),  # the core nested in uvloop, as before
+        ("asyncio", True, False, "asyncio"),
+    ],
+)
+def test_which_loop_each_process_runs(
+    event_loop: str, serves_native: bool, control: bool, runs: str
+) -> None:
+    chosen = coreloop.choose(event_loop, serves_native=serves_native, control=control)
+    assert chosen == runs
+    factory = coreloop.factory(chosen)
+    loop = factory() if factory is not None else asyncio.new_event_loop()
+    try:
+        assert isinstance(loop, coreloop.CoreLoop) == (runs == "native")
+    finally:
+        loop.close()
+
+
+def test_an_unknown_event_loop_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="--event-loop 'tokio': not one of auto, native"):
+        coreloop.choose("tokio", serves_native=True, control=False)

@@ -64,7 +64,11 @@ async def serve(
             lock.release()
         raise
     proxy.state_lock = lock
-    serving = coreloop.choose(config.event_loop, serves_native=proxy.dataplane == "native")
+    serving = coreloop.choose(
+        config.event_loop,
+        serves_native=proxy.dataplane == "native",
+        control=config.worker_count <= 1,  # --workers 1: this process serves
+    )
     log.info(
         "TCP data plane: %s (event loop where it serves: %s)",
         proxy.dataplane,
@@ -366,7 +370,7 @@ def run_loop(
     main: Coroutine[Any, Any, T], event_loop: str = "auto", *, serves_native: bool = False
 ) -> T:
     """Run `main` on the loop --event-loop `event_loop` gives this process; its result."""
-    chosen = coreloop.choose(event_loop, serves_native=serves_native)
+    chosen = coreloop.choose(event_loop, serves_native=serves_native, control=True)
     log.debug("event loop: %s", coreloop.DESCRIPTIONS[chosen])
     with asyncio.Runner(loop_factory=coreloop.factory(chosen)) as runner:
         return runner.run(main)

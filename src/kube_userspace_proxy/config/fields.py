@@ -167,7 +167,7 @@ RUN_FIELDS: tuple[Field, ...] = (
         "event_loop",
         "choice",
         "",
-        ("auto", "uvloop", "asyncio"),
+        ("auto", "native", "uvloop", "asyncio"),
         commands=frozenset({"run", "demo"}),
     ),
     Field(

@@ -170,9 +170,10 @@ class ProxyConfig(BaseModel):
     """auto (the host's mode), iptc (python-iptables, legacy), restore, or none (no rules)."""
     node_ips: tuple[str, ...] = ()
     """Node IPs for host-side DNAT; default: the Node object's addresses."""
-    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
-    """Event loop: auto (asyncio waiting in the native core where the native data plane
-    serves, uvloop elsewhere), uvloop, or asyncio."""
+    event_loop: Literal["auto", "native", "uvloop", "asyncio"] = "auto"
+    """Event loop: auto (asyncio waiting in the native core in workers that serve the native
+    data plane, uvloop in the control process), native (the core's loop in the control process
+    too, when it serves with --workers 1), uvloop, or asyncio."""
     dataplane: Literal["auto", "native", "python"] = "auto"
     """Which TCP data plane moves the bytes: native (C, accept to close without a Python call
     per read or write), python (asyncio Protocols, the reference), or auto (native when the

@@ -13,9 +13,10 @@ next timer's time came.
 Everything else runs as on asyncio's own loop (`asyncio.SelectorEventLoop`): timers, signals
 (through its self-pipe), the Python data plane and UDP, the worker's channel.
 
-`--event-loop auto` (the default) runs this loop in each process that serves the native data
-plane (the workers, or the one process with `--workers 1`) and uvloop in any other;
-`--event-loop uvloop` keeps the core nested in uvloop's wait, `asyncio` in asyncio's.
+`--event-loop auto` (the default) runs this loop in each worker process that serves the native
+data plane and uvloop in the control process, even when it serves (`--workers 1`: its control
+work runs faster on uvloop); `--event-loop native` runs it there too; `uvloop` keeps the core
+nested in uvloop's wait everywhere, `asyncio` in asyncio's.
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ if TYPE_CHECKING:
 
 Handler = Callable[[list[tuple[Any, ...]]], object]
 
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")
-"""--event-loop's choices: `auto` is `native` (this module's loop) in a process that serves the
-native data plane, else uvloop."""
+EVENT_LOOPS = ("auto", "native", "uvloop", "asyncio")
+"""--event-loop's choices. `auto`: this module's loop in a worker process that serves the native
+data plane, uvloop in the control process (which also serves with --workers 1: its control
+work, 10,000 Services' worth, starts 1.25x slower on asyncio's loop than on uvloop) and
+wherever the Python data plane serves. `native`: this module's loop in every process that
+serves the native data plane, the control process with --workers 1 included."""
 Loop = Literal["native", "uvloop", "asyncio"]
 
 
@@ -214,11 +218,14 @@ def new_event_loop() -> CoreLoop:
     return CoreLoop()
 
 
-def choose(event_loop: str, *, serves_native: bool) -> Loop:
+def choose(event_loop: str, *, serves_native: bool, control: bool) -> Loop:
     """The loop a process runs for --event-loop `event_loop` (`serves_native`: this process
-    serves the native data plane)."""
-    if event_loop == "auto":
-        return "native" if serves_native and not native.unavailable() else "uvloop"
+    serves the native data plane; `control`: it is the control process)."""
+    if event_loop in ("auto", "native"):
+        core = serves_native and not native.unavailable()
+        if event_loop == "auto" and control:
+            core = False
+        return "native" if core else "uvloop"
     if event_loop not in ("uvloop", "asyncio"):
         raise ValueError(f"--event-loop {event_loop!r}: not one of {', '.join(EVENT_LOOPS)}")
     return "uvloop" if event_loop == "uvloop" else "asyncio"

@@ -627,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.setup(args.verbosity, args.log_format)
     # The control process checked that it is available.
     serves_native = set_default(args.dataplane) == "native"
-    loop = coreloop.choose(args.event_loop, serves_native=serves_native)
+    loop = coreloop.choose(args.event_loop, serves_native=serves_native, control=False)
     with asyncio.Runner(loop_factory=coreloop.factory(loop)) as runner:
         return runner.run(_main(args))
 
