@@ -1,8 +1,9 @@
 """Real loopback backends for the data-plane tests, a test picker, and loop selection.
 
-Every data-plane test runs on uvloop and on the loop that waits in the native core
-(`coreloop`: what `--event-loop auto` gives a process serving the native data plane; it
-carries the Python data plane and UDP too); tests marked
+Every data-plane test runs on uvloop and, unless it runs the Python TCP data plane (which no
+`--event-loop` puts there), on the loop that waits in the native core (`coreloop`: what
+`--event-loop auto` gives a worker serving the native data plane; UDP runs there too); tests
+marked
 `pytest.mark.asyncio(loop_factories=["uvloop", "asyncio"])` run on plain asyncio too
 (all of them with KUP_BOTH_LOOPS=1 in the environment).
 tests/loopback is not a package, so helpers reach the tests as fixtures.
@@ -49,6 +50,22 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
     ):
         loops["asyncio"] = asyncio.new_event_loop
     return loops
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """No Python-TCP-data-plane test runs on the core's loop: no `--event-loop` runs that loop
+    where the Python data plane serves (auto and native choose it only where the native one
+    does), so that pairing is left out as never generated, not skipped."""
+    kept: list[pytest.Item] = []
+    left_out: list[pytest.Item] = []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params if callspec is not None else {}
+        on_core = params.get("_asyncio_loop_factory") is coreloop.new_event_loop
+        (left_out if on_core and params.get("dataplane") == "python" else kept).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
 
 
 async def _eventually(
