@@ -81,7 +81,7 @@ class NativePlane:
         if _native is None:
             raise RuntimeError(f"the native data plane is not available: {unavailable()}")
         self.loop = loop
-        # --event-loop native: the loop waits in its selector's core, which is this plane's.
+        # On the core's loop (coreloop.py) the loop waits in its selector's core: this plane's.
         selector = getattr(loop, "core_selector", None)
         self.owned = selector is not None
         self.core: Any = selector.core if selector is not None else new_core()
