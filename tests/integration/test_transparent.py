@@ -296,6 +296,20 @@ def _debug_state(nodes: TwoNodes) -> dict[str, Any]:
     return state
 
 
+def _source_dials(nodes: TwoNodes) -> dict[str, float]:
+    """kube_userspace_proxy_source_address_dials_total by reason, as /metrics gives it now."""
+    metrics = nodes.a.python(
+        "import urllib.request;print(urllib.request.urlopen("
+        "'http://127.0.0.1:10249/metrics').read().decode())"
+    )
+    dials: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("kube_userspace_proxy_source_address_dials_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            dials[reason] = dials.get(reason, 0) + float(line.rsplit(" ", 1)[1])
+    return dials
+
+
 # Each backend and each worker count, over both data planes (`dataplane`): the rules do not
 # depend on the data plane nor the workers on the backend, so pairs suffice.
 @pytest.mark.parametrize(("backend", "workers"), [("iptc", "1"), ("restore", "auto")])
@@ -303,32 +317,49 @@ def test_backends_see_the_client_where_the_reply_comes_back(
     nodes: TwoNodes, tmp_path: Path, backend: str, workers: str
 ) -> None:
     with proxy_in(nodes, tmp_path, backend, "--preserve-source-ip", "--workers", workers) as proc:
-        _serving(nodes, proc, tmp_path / "proxy.log")
+        log = tmp_path / "proxy.log"
+        _serving(nodes, proc, log)
+        # Each step's dials are counted by the reason of the source address they got: the
+        # counts are read before and after it (the probes of `_serving` are not in them).
+        counted = _source_dials(nodes)
+
+        def dialed(step: str, **reasons: int) -> None:
+            nonlocal counted
+            before, counted = counted, _source_dials(nodes)
+            delta = {r: counted.get(r, 0) - before.get(r, 0) for r in counted}
+            expected = {r: reasons.get(r.replace("-", "_"), 0) for r in counted}
+            assert delta == expected, (step, delta, log.read_text()[-3000:])
 
         # A pod of this node -> ClusterIP with endpoints on both nodes: its own address, always.
         for proto, ip, port in (("tcp", "10.96.0.10", 80), ("udp", "10.96.0.11", 53)):
             answers = ask(nodes.cpod, proto, ip, port, 8)
             assert {name for name, _ in answers} == {"apod", "bpod"}, answers
             assert {seen for _, seen in answers} == {CPOD}, (proto, answers)
+            dialed(f"{proto} from a pod", client_pod=8)
 
         # External client -> NodePort, externalTrafficPolicy Local, local endpoint: its address.
         answers = ask(nodes.ext, "tcp", EXT_GW, 30080, 4)
         assert answers == [("apod", EXT)] * 4
+        dialed("external client, local endpoint", local_endpoint=4)
 
         # External client -> NodePort whose only endpoint is remote: works, from the node.
         answers = ask(nodes.ext, "tcp", EXT_GW, 30081, 4)
         assert {name for name, _ in answers} == {"bpod"}, answers
         assert {seen for _, seen in answers} <= NODE_A_ADDRESSES, answers
+        dialed("external client, remote endpoint", node=4)
 
         # A Service with the PROXY protocol annotation still gets its header, first.
         answers = ask(nodes.cpod, "tcp", "10.96.0.14", 80, 4)
         assert {name for name, _ in answers} == {"apod", "bpod"}, answers
         assert {seen for _, seen in answers} == {f"{CPOD} PROXY:{CPOD}"}, answers
+        dialed("PROXY protocol", client_pod=4)
 
         # A hostNetwork client: works, and the endpoints see a node address.
         answers = ask(nodes.a, "tcp", "10.96.0.10", 80, 6)
         assert {name for name, _ in answers} == {"apod", "bpod"}, answers
         assert {seen for _, seen in answers} <= NODE_A_ADDRESSES, answers
+        dialed("hostNetwork client", node=6)
+        assert set(counted) == {"client-pod", "local-endpoint", "node"}, counted
 
         # The rules of the mode are in place, in the backend's tables.
         assert f"--set-xmark {MARK}/{MARK}" in nodes.a.run(SAVE[backend], "-t", "mangle")
@@ -337,25 +368,9 @@ def test_backends_see_the_client_where_the_reply_comes_back(
         assert "local default dev lo" in _routes(nodes)
         assert "local default dev lo" in _routes(nodes, "-6")
 
-        # Counted apart, with the reason; the choice shown per endpoint.
+        # The choice shown per endpoint.
         sources = _debug_state(nodes)["default/both:p"]["sourceAddress"]["cluster"]
         assert sources == {f"{APOD}:{PORT}": "client", f"{BPOD}:{PORT}": "client-if-pod"}
-        metrics = nodes.a.python(
-            "import urllib.request;print(urllib.request.urlopen("
-            "'http://127.0.0.1:10249/metrics').read().decode())"
-        )
-        dials = {
-            line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
-            for line in metrics.splitlines()
-            if line.startswith("kube_userspace_proxy_source_address_dials_total{")
-        }
-        by_reason: dict[str, float] = {}
-        for labels, value in dials.items():
-            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
-            by_reason[reason] = by_reason.get(reason, 0) + value
-        assert by_reason.get("client-pod", 0) >= 21, dials  # 8 TCP, 8 UDP, 4 PROXY, the probe
-        assert by_reason.get("local-endpoint", 0) == 4, dials  # ext -> local-np
-        assert by_reason.get("node", 0) == 4 + 6, dials  # ext -> remote-np, the node itself
 
         # A deleted ip rule is back within a sync period (1 s here; polled generously).
         nodes.a.run("ip", "rule", "del", "priority", PRIORITY)
