@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import subprocess
 import sys
@@ -37,7 +38,7 @@ async def start_named_backends(names: Iterable[str]) -> list[tuple[str, int, asy
     loop = asyncio.get_running_loop()
     out = []
     for name in names:
-        server = await loop.create_server(lambda n=name: NamedBackend(n), "127.0.0.1", 0)
+        server = await loop.create_server(functools.partial(NamedBackend, name), "127.0.0.1", 0)
         out.append((name, server.sockets[0].getsockname()[1], server))
     return out
 

@@ -31,6 +31,7 @@ from kube_userspace_proxy.portals import (
     check_transparent,
     explain,
     make_backend,
+    served_families,
 )
 from kube_userspace_proxy.ports import PortAllocator
 from kube_userspace_proxy.proxier.contracts import DataPlane
@@ -326,9 +327,7 @@ def listening(
 
 def _families(bind_address: str) -> tuple[str, ...]:
     """The IP families the proxy ports serve, as kube-proxy names them in health bodies."""
-    if bind_address == "::":
-        return ("IPv4", "IPv6")  # dual stack (IPV6_V6ONLY off)
-    return ("IPv6",) if addresses.ip_family(bind_address) == 6 else ("IPv4",)
+    return tuple(f"IPv{f}" for f in sorted(served_families(bind_address))) or ("IPv4",)
 
 
 def choose_dataplane(name: str) -> str:
