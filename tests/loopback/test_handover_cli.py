@@ -83,3 +83,65 @@ async def test_a_successor_that_goes_away_half_way_leaves_the_proxy_serving(
                 proc.wait()
         for _, _, server in backends:
             server.close()
+
+
+async def test_after_a_handover_the_old_process_leaves_the_socket_name_to_the_successor(
+    tmp_path: Path,
+) -> None:
+    """The old process never removes handover.sock once it has handed over: the successor
+    binds that name when it is ready, and a check-then-unlink on the way out could remove the
+    successor's socket in between (CI saw it: "cannot listen on .../handover.sock"). A name
+    nobody listens on is harmless: the next start finds no running proxy and starts afresh."""
+    backends = await start_named_backends(["pod-a"])
+    manifest, state = tmp_path / "svc.yaml", tmp_path / "state"
+    web = [
+        service("web", [{"name": "http", "port": 80}]),
+        *endpoint_slice("web", "http", [("127.0.0.1", backends[0][1])]),
+    ]
+    write_manifests(manifest, web)
+    flags = [*LOOPBACK_RUN_FLAGS, "--manifests", str(manifest), "--state-dir", str(state)]
+    flags += ["--workers", "2", "--loopback-endpoints", "allow", "--shutdown-grace", "2s"]
+    logs = [tmp_path / "old.log", tmp_path / "next.log"]
+    sock_path = handover.socket_path(str(state))
+    procs = []
+    try:
+        with open(logs[0], "wb") as out:
+            procs.append(subprocess.Popen([*CLI, "run", *flags], stdout=out, stderr=out))
+        await wait_for(sock_path.exists, 30, "handover.sock")
+        await wait_for(lambda: served_ports(state), 10, "the state file")
+
+        # This test is the successor: it takes everything and says it serves, but it does not
+        # bind the name yet (a successor that is slow to get there).
+        taken = await handover.take(str(state), 2, wait_exit=10)
+        assert taken is not None and taken.sockets
+        try:
+
+            async def no_paths() -> dict[int, str]:
+                return {}
+
+            await taken.workers(no_paths)
+            await taken.serving()
+            assert procs[0].wait(30) == 0, logs[0].read_text()
+            assert "serves every port now: handing over" in logs[0].read_text()
+            assert sock_path.exists(), "the old process removed the successor's socket name"
+        finally:
+            taken.close()
+
+        # The name left behind points at no process: the next proxy starts afresh and serves.
+        with open(logs[1], "wb") as out:
+            procs.append(subprocess.Popen([*CLI, "run", *flags], stdout=out, stderr=out))
+        await wait_for(
+            lambda: "a new proxy process can take over" in logs[1].read_text(), 30, "next serving"
+        )
+        assert "no running proxy to take over from" in logs[1].read_text()
+        port = (await wait_for(lambda: served_ports(state), 10, "the state file"))[
+            "default/web:http"
+        ]
+        assert await _answers(port) == "pod-a"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for _, _, server in backends:
+            server.close()

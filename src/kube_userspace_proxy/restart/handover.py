@@ -124,6 +124,7 @@ async def serve(directory: str, giver: Giver, ready: Awaitable[Any]) -> None:
         await asyncio.Event().wait()
         return
     log.info("a new proxy process can take over through %s", path)
+    handed_over = False
     try:
         while True:
             try:
@@ -139,13 +140,18 @@ async def serve(directory: str, giver: Giver, ready: Awaitable[Any]) -> None:
                     log.warning("refused a handover connection: %s; nothing sent", exc)
                     continue
                 if await _give(conn, giver, peer):
+                    handed_over = True
                     break
         server.close()  # done: the process stops (this task is cancelled with the others)
         await asyncio.Event().wait()
     except asyncio.CancelledError:
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == inode:  # still ours: no successor replaced it
-                path.unlink()
+        # After a handover the name is the successor's, which binds it when it is ready: a
+        # check, then an unlink, here could remove its socket in between (no restart could
+        # take over from it then). A name left behind is harmless: a connect is refused.
+        if not handed_over:
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == inode:  # still ours: no successor replaced it
+                    path.unlink()
         raise
     finally:
         server.close()
