@@ -152,3 +152,28 @@ async def test_after_a_handover_the_old_process_leaves_the_socket_name_to_the_su
         assert "no running proxy to take over from" in nxt.read_text()
         ports = await wait_for(lambda: served_ports(state), 10, "the state file")
         assert await _answers(ports["default/web:http"]) == "pod-a"
+
+
+async def test_a_proxy_that_cannot_listen_for_successors_keeps_trying(tmp_path: Path) -> None:
+    """Something in the way of handover.sock (here a directory by that name) costs a warning,
+    not the restarts of this process's life: it listens once it can, and a successor takes
+    over then."""
+    async with _runs(tmp_path) as runs:
+        sock_path = handover.socket_path(str(runs.state))
+        sock_path.mkdir(parents=True, mode=0o700)
+        runs.state.chmod(0o700)
+        old = runs.start("old")
+        await wait_for(lambda: "cannot listen on" in old.read_text(), 30, "the warning")
+        ports = await wait_for(lambda: served_ports(runs.state), 10, "the state file")
+        assert await _answers(ports["default/web:http"]) == "pod-a"
+        assert "a new proxy process can take over" not in old.read_text()
+
+        sock_path.rmdir()
+        await wait_for(
+            lambda: "a new proxy process can take over" in old.read_text(), 60, "listening"
+        )
+        assert old.read_text().count("cannot listen on") == 1  # said once for one reason
+        new = runs.start("new")
+        assert runs.procs[0].wait(30) == 0, old.read_text()
+        assert "taking over from the running proxy" in new.read_text()
+        assert await _answers(ports["default/web:http"]) == "pod-a"

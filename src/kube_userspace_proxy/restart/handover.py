@@ -109,20 +109,39 @@ class Giver(Protocol):
         ...
 
 
+LISTEN_RETRY = (1.0, 2.0, 5.0, 10.0, 30.0)
+"""Seconds between tries to listen on handover.sock after a failure (the last one repeats)."""
+
+
 async def serve(directory: str, giver: Giver, ready: Awaitable[Any]) -> None:
     """Answer successors at `<directory>/handover.sock` once `ready` (a root task)."""
     await ready
     path = socket_path(directory)
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        server = fdpass.listen(path)
-        inode = os.stat(path).st_ino
-    except OSError as exc:
-        log.warning(
-            "cannot listen on %s (%s): a restart cannot take over from this process", path, exc
-        )
-        await asyncio.Event().wait()
-        return
+    failures, last_error = 0, ""
+    while True:
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            server = fdpass.listen(path)
+            try:
+                inode = os.stat(path).st_ino
+            except OSError:
+                server.close()
+                raise
+            break
+        except OSError as exc:
+            # Until it can, a successor finds nobody to take over from, and the state
+            # directory locked: say so once, and again if the reason changes; keep trying.
+            if str(exc) != last_error:
+                log.warning(
+                    "cannot listen on %s (%s): a restart cannot take over from this process"
+                    " until it can; trying again every %gs at most",
+                    path,
+                    exc,
+                    LISTEN_RETRY[-1],
+                )
+            last_error = str(exc)
+            await asyncio.sleep(LISTEN_RETRY[min(failures, len(LISTEN_RETRY) - 1)])
+            failures += 1
     log.info("a new proxy process can take over through %s", path)
     handed_over = False
     try:
