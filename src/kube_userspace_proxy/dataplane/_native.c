@@ -8,6 +8,13 @@
  * balancer and dials the next endpoint or gives up), and ended connections with their bytes.
  * Nothing here chooses an endpoint, retries on its own, or parses a byte of what it moves.
  *
+ * One exception is measured, bounded and tested against the Python: a `Table` is a copy,
+ * pushed by balancer.py, of a pool in plain round robin (no affinity, no penalty, no PROXY
+ * header, no transparent source). While a listener's table is enabled, an accepted connection
+ * is dialed here to the table's next entry, and Python hears of it once, with the dial's
+ * outcome (EV_FAST): the accept, the pick and the dial cost no Python call. The table's cursor
+ * is the pool's while it is enabled; the pool takes it back before it picks itself.
+ *
  * The system-call diet follows HAProxy: accept4(SOCK_NONBLOCK), socket(SOCK_NONBLOCK), each
  * descriptor registered once (edge-triggered, read and write interest together), an accepted
  * client registered only once its endpoint answered and after a first read (a new descriptor
@@ -44,7 +51,7 @@
 #endif
 
 /* What run() hands back (the first item of each tuple). */
-enum { EV_ACCEPTED = 1, EV_DIALED = 2, EV_CLOSED = 3, EV_ACCEPT_ERROR = 4 };
+enum { EV_ACCEPTED = 1, EV_DIALED = 2, EV_CLOSED = 3, EV_ACCEPT_ERROR = 4, EV_FAST = 5 };
 /* How a dial ended: model.DialOutcome's values, then this process's own failure. */
 enum { DIAL_CONNECTED = 0, DIAL_REFUSED = 1, DIAL_TIMED_OUT = 2, DIAL_UNREACHABLE = 3,
        DIAL_NO_DESCRIPTORS = 4 };
@@ -97,10 +104,17 @@ typedef struct conn {
     uint8_t state;
     uint8_t c_rd, c_wr, b_rd, b_wr;
     uint8_t splice_ok, queued, ka_listed;
+    uint8_t fast;      /* dialed from a table: its outcome goes to Python as EV_FAST */
     int family;
     int ka_idle, ka_intvl, ka_user;
     PyObject *listener;
-    PyObject *data;
+    PyObject *data;    /* what Python gave the dial (a table entry's, for a fast one) */
+    PyObject *entry;   /* a fast dial's table entry (its index and data), until EV_FAST */
+    union {
+        struct sockaddr sa;
+        struct sockaddr_in v4;
+        struct sockaddr_in6 v6;
+    } peer;            /* a fast dial's client address (Python asks for it to retry) */
     dir_t in, out;     /* in: client -> backend; out: backend -> client */
     int64_t deadline;
     struct conn *tprev, *tnext;  /* dial deadlines, sorted */
@@ -110,9 +124,27 @@ typedef struct conn {
     struct conn *free_next;
 } conn;
 
+/* A table: a copy of a round-robin pool's endpoints and cursor (see the header). */
+typedef struct {
+    struct sockaddr_storage addr;
+    socklen_t len;
+    PyObject *entry;   /* (index, data): handed back with EV_FAST */
+} tentry;
+
+typedef struct {
+    PyObject_HEAD
+    tentry *entries;
+    Py_ssize_t count;
+    Py_ssize_t cursor;
+    int timeout_ms;
+    uint8_t enabled;
+    uint64_t picks;    /* picks made here (fast dials and pick()) */
+} Table;
+
 typedef struct {
     int fd;
     PyObject *obj;
+    PyObject *table;   /* a Table, or NULL */
     int ka_idle, ka_intvl, ka_user;
     uint8_t splice_ok, used;
 } lslot;
@@ -379,6 +411,18 @@ static int emit_dialed(Core *self, conn *c, PyObject *id, int outcome, int err) 
     return emit(self, tuple_of(5, items));
 }
 
+/* (EV_FAST, listener, conn id, (index, data), outcome, errno): a table's dial ended. From now
+ * on the connection is Python's, as if it had dialed: its events carry the entry's data. */
+static int emit_fast(Core *self, conn *c, int outcome, int err) {
+    PyObject *entry = c->entry;
+    c->entry = NULL;
+    c->fast = 0;
+    Py_XSETREF(c->data, Py_NewRef(PyTuple_GET_ITEM(entry, 1)));
+    PyObject *items[] = {PyLong_FromLong(EV_FAST), Py_NewRef(c->listener), conn_id(self, c),
+                         entry, PyLong_FromLong(outcome), PyLong_FromLong(err)};
+    return emit(self, tuple_of(6, items));
+}
+
 static void queue(Core *self, conn *c) {
     if (c->queued) return;
     c->queued = 1;
@@ -403,6 +447,8 @@ static void conn_free(Core *self, conn *c) {
     dir_release(self, &c->out);
     Py_CLEAR(c->listener);
     Py_CLEAR(c->data);
+    Py_CLEAR(c->entry);
+    c->fast = 0;
     c->state = C_FREE;
     c->cfd = c->bfd = -1;
     if (c->queued) {
@@ -602,6 +648,7 @@ static int dial_failed(Core *self, conn *c, int outcome, int err) {
         c->bfd = -1;
     }
     c->state = C_WAITING;
+    if (c->fast) return emit_fast(self, c, outcome, err);
     PyObject *id = conn_id(self, c);
     if (!id) return -1;
     return emit_dialed(self, c, id, outcome, err);
@@ -614,9 +661,13 @@ static int dial_connected(Core *self, conn *c, int64_t now) {
     c->b_wr = 1;
     c->c_rd = c->c_wr = 1;  /* a new descriptor is treated as ready: read before registering */
     ka_add(self, c, now);
-    PyObject *id = conn_id(self, c);
-    if (!id) return -1;
-    if (emit_dialed(self, c, id, DIAL_CONNECTED, 0) < 0) return -1;
+    if (c->fast) {
+        if (emit_fast(self, c, DIAL_CONNECTED, 0) < 0) return -1;
+    } else {
+        PyObject *id = conn_id(self, c);
+        if (!id) return -1;
+        if (emit_dialed(self, c, id, DIAL_CONNECTED, 0) < 0) return -1;
+    }
     size_t index = conn_index(self, c);
     int r = conn_pump(self, c);
     if (r < 0) return r;
@@ -628,7 +679,111 @@ static int dial_connected(Core *self, conn *c, int64_t now) {
     return 0;
 }
 
+/* Connect a new socket to `sa` for the waiting connection `c` (`bind_host`: transparent
+ * mode's source, bound with IP(V6)_TRANSPARENT); the outcome comes back as an event, never
+ * from here. 0, or -1 with an exception, or -2: `bind_host` is not an address of the family.
+ * `in_turn`: called inside a turn (the batch is being built: no wake-up needed). */
+static int dial_start(Core *self, conn *c, const struct sockaddr *sa, socklen_t sl,
+                      const char *bind_host, int timeout_ms, int in_turn) {
+    int family = sa->sa_family;
+    int fd = socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    int err = 0;
+    if (fd >= 0) {
+        int nodelay = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &nodelay, sizeof(nodelay));
+    }
+    if (fd < 0) {
+        err = errno;
+    } else if (bind_host && *bind_host) {
+        struct sockaddr_storage bs;
+        memset(&bs, 0, sizeof(bs));
+        int one = 1, ok;
+        socklen_t bl;
+        if (strchr(bind_host, ':')) {
+            struct sockaddr_in6 *b = (struct sockaddr_in6 *)&bs;
+            b->sin6_family = AF_INET6;
+            ok = inet_pton(AF_INET6, bind_host, &b->sin6_addr) == 1 && family == AF_INET6;
+            bl = sizeof(*b);
+            if (ok && setsockopt(fd, IPPROTO_IPV6, IPV6_TRANSPARENT, &one, sizeof(one)) < 0) err = errno;
+        } else {
+            struct sockaddr_in *b = (struct sockaddr_in *)&bs;
+            b->sin_family = AF_INET;
+            ok = inet_pton(AF_INET, bind_host, &b->sin_addr) == 1 && family == AF_INET;
+            bl = sizeof(*b);
+            if (ok && setsockopt(fd, IPPROTO_IP, IP_TRANSPARENT, &one, sizeof(one)) < 0) err = errno;
+            if (ok && !err) setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
+        }
+        if (!ok) {
+            close(fd);
+            return -2;
+        }
+        if (!err && bind(fd, (struct sockaddr *)&bs, bl) < 0) err = errno;
+    }
+    if (fd >= 0 && !err && connect(fd, sa, sl) < 0 && errno != EINPROGRESS) err = errno;
+    if (fd >= 0 && !err) {
+        struct epoll_event ev;
+        ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+        ev.data.u64 = ((uint64_t)conn_index(self, c) << 2) | TAG_BACKEND;
+        if (epoll_ctl(self->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) err = errno;
+    }
+    if (err) {
+        if (fd >= 0) close(fd);
+        /* The outcome travels as an event, as every other does: outside a turn, run() is
+         * asked for by a write to the wake-up eventfd. */
+        c->bfd = -1;
+        if (!self->out) {
+            self->out = PyList_New(0);
+            if (!self->out) return -1;
+        }
+        if (dial_failed(self, c, outcome_of(err), err) < 0) return -1;
+        if (!in_turn && !self->woken) {
+            uint64_t one = 1;
+            if (write(self->efd, &one, sizeof(one)) == sizeof(one)) self->woken = 1;
+        }
+        return 0;
+    }
+    c->bfd = fd;
+    c->state = C_DIALING;
+    deadline_add(self, c, now_ns() + (int64_t)timeout_ms * 1000000LL);
+    return 0;
+}
+
+/* The table's next entry (its cursor moves on); NULL when it is disabled or empty. */
+static tentry *table_next(Table *t) {
+    if (!t->enabled || t->count <= 0) return NULL;
+    Py_ssize_t i = t->cursor;
+    if (i < 0 || i >= t->count) i = 0;
+    t->cursor = i + 1 < t->count ? i + 1 : 0;
+    t->picks++;
+    return &t->entries[i];
+}
+
 /* ---- events ------------------------------------------------------------------------------ */
+
+/* A client address as text and a port (host: INET6_ADDRSTRLEN bytes). */
+static void peer_text(const struct sockaddr *sa, char *host, int *port) {
+    host[0] = 0;
+    *port = 0;
+    if (sa->sa_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)sa;
+        const uint8_t *b = (const uint8_t *)&a->sin_addr;
+        /* What inet_ntop writes, without its printf. */
+        char *h = host;
+        for (int k = 0; k < 4; k++) {
+            unsigned v = b[k];
+            if (k) *h++ = '.';
+            if (v >= 100) *h++ = (char)('0' + v / 100);
+            if (v >= 10) *h++ = (char)('0' + v / 10 % 10);
+            *h++ = (char)('0' + v % 10);
+        }
+        *h = 0;
+        *port = ntohs(a->sin_port);
+    } else if (sa->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)sa;
+        inet_ntop(AF_INET6, &a->sin6_addr, host, INET6_ADDRSTRLEN);
+        *port = ntohs(a->sin6_port);
+    }
+}
 
 static int on_listener(Core *self, size_t lid) {
     lslot *l = &self->ls[lid];
@@ -640,28 +795,6 @@ static int on_listener(Core *self, size_t lid) {
             if (errno == EAGAIN || errno == EINTR) return 0;
             if (errno == ECONNABORTED || errno == EPROTO || errno == EPERM) continue;
             return emit(self, Py_BuildValue("(iOi)", EV_ACCEPT_ERROR, l->obj, errno));
-        }
-        char host[INET6_ADDRSTRLEN];
-        int port = 0;
-        host[0] = 0;
-        if (ss.ss_family == AF_INET) {
-            struct sockaddr_in *a = (struct sockaddr_in *)&ss;
-            const uint8_t *b = (const uint8_t *)&a->sin_addr;
-            /* What inet_ntop writes, without its printf. */
-            char *h = host;
-            for (int k = 0; k < 4; k++) {
-                unsigned v = b[k];
-                if (k) *h++ = '.';
-                if (v >= 100) *h++ = (char)('0' + v / 100);
-                if (v >= 10) *h++ = (char)('0' + v / 10 % 10);
-                *h++ = (char)('0' + v % 10);
-            }
-            *h = 0;
-            port = ntohs(a->sin_port);
-        } else if (ss.ss_family == AF_INET6) {
-            struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
-            inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
-            port = ntohs(a->sin6_port);
         }
         size_t index;
         conn *c = conn_new(self, &index);
@@ -678,6 +811,23 @@ static int on_listener(Core *self, size_t lid) {
         c->ka_intvl = l->ka_intvl;
         c->ka_user = l->ka_user;
         c->splice_ok = l->splice_ok;
+        tentry *te = l->table ? table_next((Table *)l->table) : NULL;
+        if (te) {
+            /* The table's pick, dialed here: Python hears of it with the outcome. */
+            struct sockaddr_storage to;
+            socklen_t tl = te->len;
+            memcpy(&to, &te->addr, sizeof(to));
+            c->fast = 1;
+            c->entry = Py_NewRef(te->entry);
+            memcpy(&c->peer, &ss, sl < sizeof(c->peer) ? sl : sizeof(c->peer));
+            if (dial_start(self, c, (struct sockaddr *)&to, tl, NULL,
+                           ((Table *)l->table)->timeout_ms, 1) < 0)
+                return -1;
+            continue;
+        }
+        char host[INET6_ADDRSTRLEN];
+        int port;
+        peer_text((struct sockaddr *)&ss, host, &port);
         PyObject *items[] = {PyLong_FromLong(EV_ACCEPTED), Py_NewRef(l->obj), conn_id(self, c),
                              PyUnicode_FromString(host), PyLong_FromLong(port)};
         if (emit(self, tuple_of(5, items)) < 0) return -1;
@@ -796,13 +946,17 @@ static void close_all(Core *self) {
 
 static int Core_traverse(Core *self, visitproc visit, void *arg) {
     Py_VISIT(Py_TYPE(self));
-    for (size_t i = 0; i < self->nls; i++) Py_VISIT(self->ls[i].obj);
+    for (size_t i = 0; i < self->nls; i++) {
+        Py_VISIT(self->ls[i].obj);
+        Py_VISIT(self->ls[i].table);
+    }
     for (size_t s = 0; s < self->nslabs; s++) {
         for (size_t i = 0; i < SLAB; i++) {
             conn *c = &self->slabs[s][i];
             if (c->state == C_FREE) continue;
             Py_VISIT(c->listener);
             Py_VISIT(c->data);
+            Py_VISIT(c->entry);
         }
     }
     return 0;
@@ -810,7 +964,10 @@ static int Core_traverse(Core *self, visitproc visit, void *arg) {
 
 static int Core_clear(Core *self) {
     close_all(self);
-    for (size_t i = 0; i < self->nls; i++) Py_CLEAR(self->ls[i].obj);
+    for (size_t i = 0; i < self->nls; i++) {
+        Py_CLEAR(self->ls[i].obj);
+        Py_CLEAR(self->ls[i].table);
+    }
     Py_CLEAR(self->out);
     return 0;
 }
@@ -892,11 +1049,15 @@ static PyObject *Core_add_listener(Core *self, PyObject *args) {
     l->ka_intvl = intvl;
     l->ka_user = user;
     l->splice_ok = (uint8_t)splice_ok;
+    l->table = NULL;
     l->used = 1;
     return PyLong_FromSize_t(lid);
 }
 
-static PyObject *Core_remove_listener(Core *self, PyObject *arg) {
+static PyTypeObject *TableType;  /* set when the module is made */
+
+/* The listener slot of `arg` (an id from add_listener), or NULL with a KeyError. */
+static lslot *listener_of(Core *self, PyObject *arg) {
     Py_ssize_t lid = PyLong_AsSsize_t(arg);
     if (lid == -1 && PyErr_Occurred()) return NULL;
     if (check(self) < 0) return NULL;
@@ -904,11 +1065,46 @@ static PyObject *Core_remove_listener(Core *self, PyObject *arg) {
         PyErr_SetString(PyExc_KeyError, "no such listener");
         return NULL;
     }
-    lslot *l = &self->ls[lid];
+    return &self->ls[lid];
+}
+
+/* use_table(id, table): the listener dials from `table` while it is enabled (None: never). */
+static PyObject *Core_use_table(Core *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "use_table(listener_id, table)");
+        return NULL;
+    }
+    lslot *l = listener_of(self, args[0]);
+    if (!l) return NULL;
+    PyObject *table = args[1];
+    if (table != Py_None && !PyObject_TypeCheck(table, TableType)) {
+        PyErr_Format(PyExc_TypeError, "use_table: a Table or None, not %.50s",
+                     Py_TYPE(table)->tp_name);
+        return NULL;
+    }
+    Py_XSETREF(l->table, table == Py_None ? NULL : Py_NewRef(table));
+    Py_RETURN_NONE;
+}
+
+/* peer(conn) -> (host, port): the client of a connection a table dialed (to dial again). */
+static PyObject *Core_peer(Core *self, PyObject *id) {
+    if (check(self) < 0) return NULL;
+    conn *c = conn_of(self, id);
+    if (!c) return NULL;
+    char host[INET6_ADDRSTRLEN];
+    int port;
+    peer_text(&c->peer.sa, host, &port);
+    return Py_BuildValue("(si)", host, port);
+}
+
+static PyObject *Core_remove_listener(Core *self, PyObject *arg) {
+    lslot *l = listener_of(self, arg);
+    if (!l) return NULL;
     epoll_ctl(self->epfd, EPOLL_CTL_DEL, l->fd, NULL);  /* ENOENT/EBADF: gone already */
     l->used = 0;
     l->fd = -1;
     Py_CLEAR(l->obj);
+    Py_CLEAR(l->table);
     Py_RETURN_NONE;
 }
 
@@ -931,6 +1127,23 @@ static const char *c_string(PyObject *arg, const char *name) {
         return NULL;
     }
     return s;
+}
+
+/* `host` (an IPv4 or IPv6 address, no name) and `port` as a sockaddr; -1: not an address. */
+static int sockaddr_of(const char *host, int port, struct sockaddr_storage *ss, socklen_t *sl) {
+    memset(ss, 0, sizeof(*ss));
+    if (strchr(host, ':')) {
+        struct sockaddr_in6 *a = (struct sockaddr_in6 *)ss;
+        a->sin6_family = AF_INET6;
+        a->sin6_port = htons((uint16_t)port);
+        *sl = sizeof(*a);
+        return inet_pton(AF_INET6, host, &a->sin6_addr) == 1 ? 0 : -1;
+    }
+    struct sockaddr_in *a = (struct sockaddr_in *)ss;
+    a->sin_family = AF_INET;
+    a->sin_port = htons((uint16_t)port);
+    *sl = sizeof(*a);
+    return inet_pton(AF_INET, host, &a->sin_addr) == 1 ? 0 : -1;
 }
 
 /* An int argument: a TypeError if it is not an int, an OverflowError out of C int's range. */
@@ -981,21 +1194,7 @@ static PyObject *Core_dial(Core *self, PyObject *const *args, Py_ssize_t nargs) 
     }
     struct sockaddr_storage ss;
     socklen_t sl;
-    memset(&ss, 0, sizeof(ss));
-    int family;
-    if (strchr(host, ':')) {
-        struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
-        family = a->sin6_family = AF_INET6;
-        a->sin6_port = htons((uint16_t)port);
-        if (inet_pton(AF_INET6, host, &a->sin6_addr) != 1) goto bad_address;
-        sl = sizeof(*a);
-    } else {
-        struct sockaddr_in *a = (struct sockaddr_in *)&ss;
-        family = a->sin_family = AF_INET;
-        a->sin_port = htons((uint16_t)port);
-        if (inet_pton(AF_INET, host, &a->sin_addr) != 1) goto bad_address;
-        sl = sizeof(*a);
-    }
+    if (sockaddr_of(host, port, &ss, &sl) < 0) goto bad_address;
     Py_XSETREF(c->data, Py_NewRef(data));
     /* The header replaces whatever an earlier attempt queued (nothing was sent then). */
     dir_release(self, &c->in);
@@ -1008,72 +1207,9 @@ static PyObject *Core_dial(Core *self, PyObject *const *args, Py_ssize_t nargs) 
         memcpy(c->in.b->data, header.buf, (size_t)header.len);
         c->in.len = (uint32_t)header.len;
     }
-    int fd = socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    int err = 0;
-    if (fd >= 0) {
-        int nodelay = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &nodelay, sizeof(nodelay));
-    }
-    if (fd < 0) {
-        err = errno;
-    } else if (bind_host && *bind_host) {
-        struct sockaddr_storage bs;
-        memset(&bs, 0, sizeof(bs));
-        int one = 1, ok;
-        socklen_t bl;
-        if (strchr(bind_host, ':')) {
-            struct sockaddr_in6 *b = (struct sockaddr_in6 *)&bs;
-            b->sin6_family = AF_INET6;
-            ok = inet_pton(AF_INET6, bind_host, &b->sin6_addr) == 1 && family == AF_INET6;
-            bl = sizeof(*b);
-            if (ok && setsockopt(fd, IPPROTO_IPV6, IPV6_TRANSPARENT, &one, sizeof(one)) < 0) err = errno;
-        } else {
-            struct sockaddr_in *b = (struct sockaddr_in *)&bs;
-            b->sin_family = AF_INET;
-            ok = inet_pton(AF_INET, bind_host, &b->sin_addr) == 1 && family == AF_INET;
-            bl = sizeof(*b);
-            if (ok && setsockopt(fd, IPPROTO_IP, IP_TRANSPARENT, &one, sizeof(one)) < 0) err = errno;
-            if (ok && !err) setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
-        }
-        if (!ok) {
-            close(fd);
-            goto bad_address;
-        }
-        if (!err && bind(fd, (struct sockaddr *)&bs, bl) < 0) err = errno;
-    }
-    if (fd >= 0 && !err && connect(fd, (struct sockaddr *)&ss, sl) < 0 && errno != EINPROGRESS)
-        err = errno;
-    if (err) {
-        if (fd >= 0) close(fd);
-        /* The outcome travels as an event, as every other does: run() is asked for by a
-         * write to the wake-up eventfd. */
-        c->bfd = -1;
-        if (!self->out) {
-            self->out = PyList_New(0);
-            if (!self->out) goto done;
-        }
-        if (dial_failed(self, c, outcome_of(err), err) < 0) goto done;
-        if (!self->woken) {
-            uint64_t one = 1;
-            if (write(self->efd, &one, sizeof(one)) == sizeof(one)) self->woken = 1;
-        }
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-    c->bfd = fd;
-    c->state = C_DIALING;
-    struct epoll_event ev;
-    ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
-    ev.data.u64 = ((uint64_t)conn_index(self, c) << 2) | TAG_BACKEND;
-    if (epoll_ctl(self->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
-        close(fd);
-        c->bfd = -1;
-        c->state = C_WAITING;
-        goto done;
-    }
-    deadline_add(self, c, now_ns() + (int64_t)timeout_ms * 1000000LL);
-    result = Py_NewRef(Py_None);
+    int r = dial_start(self, c, (struct sockaddr *)&ss, sl, bind_host, timeout_ms, 0);
+    if (r == -2) goto bad_address;
+    if (r == 0) result = Py_NewRef(Py_None);
     goto done;
 bad_address:
     PyErr_Format(PyExc_ValueError, "dial: not an IP address of the right family: %s", host);
@@ -1406,6 +1542,7 @@ static PyObject *Core_close(Core *self, PyObject *Py_UNUSED(ignored)) {
     close_all(self);
     for (size_t i = 0; i < self->nls; i++) {
         Py_CLEAR(self->ls[i].obj);
+        Py_CLEAR(self->ls[i].table);
         self->ls[i].used = 0;
     }
     close_fds(self);
@@ -1437,6 +1574,9 @@ static PyMethodDef Core_methods[] = {
      "dial(conn, host, port, timeout_ms, data, header=b'', bind_host=None)"},
     {"reset", METH(Core_reset), METH_O, "Reset a connection (the client gets a RST)."},
     {"client_fd", METH(Core_client_fd), METH_O, "The client's descriptor of `conn`."},
+    {"use_table", METH(Core_use_table), METH_FASTCALL,
+     "use_table(listener_id, table): dial from `table` while it is enabled (None: never)."},
+    {"peer", METH(Core_peer), METH_O, "peer(conn) -> (host, port) of a table-dialed client."},
     {"run", METH(Core_run), METH_NOARGS, "Handle every ready event; the batch for Python."},
     {"select", METH(Core_select), METH_FASTCALL,
      "select(timeout_ms, handler, io_handler=None) -> [(fd, mask), ...]: an event loop's wait."},
@@ -1471,6 +1611,179 @@ static PyType_Spec Core_spec = {
     .slots = Core_slots,
 };
 
+/* ---- Table: a round-robin pool's copy (balancer.py pushes it; see the header) ----------- */
+
+static void table_drop_entries(tentry *entries, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) Py_XDECREF(entries[i].entry);
+    PyMem_Free(entries);
+}
+
+/* Table(timeout_ms): empty and disabled; a fast dial's deadline is `timeout_ms`. */
+static int Table_init(Table *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"timeout_ms", NULL};
+    int timeout_ms;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i", kwlist, &timeout_ms)) return -1;
+    if (timeout_ms <= 0) {
+        PyErr_SetString(PyExc_ValueError, "Table: timeout_ms must be positive");
+        return -1;
+    }
+    self->timeout_ms = timeout_ms;
+    return 0;
+}
+
+/* set(entries, cursor): [(host, port, data), ...] and where the next pick is; enabled while
+ * it has entries. On an error nothing changes. */
+static PyObject *Table_set(Table *self, PyObject *args) {
+    PyObject *seq;
+    Py_ssize_t cursor;
+    if (!PyArg_ParseTuple(args, "On", &seq, &cursor)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "Table.set: entries must be a sequence");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (cursor < 0 || (n > 0 && cursor >= n) || (n == 0 && cursor != 0)) {
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, "Table.set: cursor out of range");
+        return NULL;
+    }
+    tentry *entries = n ? PyMem_Calloc((size_t)n, sizeof(tentry)) : NULL;
+    if (n && !entries) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        const char *host;
+        int port;
+        PyObject *data;
+        if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "siO", &host, &port, &data)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "Table.set: an entry is (host, port, data)");
+            goto fail;
+        }
+        if (port <= 0 || port > 65535 || sockaddr_of(host, port, &entries[i].addr, &entries[i].len) < 0) {
+            PyErr_Format(PyExc_ValueError, "Table.set: not an endpoint: %s:%d", host, port);
+            goto fail;
+        }
+        entries[i].entry = Py_BuildValue("(nO)", i, data);
+        if (!entries[i].entry) goto fail;
+    }
+    Py_DECREF(fast);
+    tentry *old = self->entries;
+    Py_ssize_t old_count = self->count;
+    self->entries = entries;
+    self->count = n;
+    self->cursor = cursor;
+    self->enabled = n > 0;
+    table_drop_entries(old, old_count);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(fast);
+    table_drop_entries(entries, n);
+    return NULL;
+}
+
+/* disable() -> the cursor: no more picks here until the next set(). */
+static PyObject *Table_disable(Table *self, PyObject *Py_UNUSED(ignored)) {
+    self->enabled = 0;
+    return PyLong_FromSsize_t(self->cursor);
+}
+
+/* resume(cursor): enabled again, with the entries of the last set(), from `cursor`. */
+static PyObject *Table_resume(Table *self, PyObject *arg) {
+    Py_ssize_t cursor = PyLong_AsSsize_t(arg);
+    if (cursor == -1 && PyErr_Occurred()) return NULL;
+    if (self->count <= 0 || cursor < 0 || cursor >= self->count) {
+        PyErr_SetString(PyExc_ValueError, "Table.resume: cursor out of range (or no entries)");
+        return NULL;
+    }
+    self->cursor = cursor;
+    self->enabled = 1;
+    Py_RETURN_NONE;
+}
+
+/* pick() -> (index, data) of the next entry, as an accept would dial it; None if disabled. */
+static PyObject *Table_pick(Table *self, PyObject *Py_UNUSED(ignored)) {
+    tentry *te = table_next(self);
+    if (!te) Py_RETURN_NONE;
+    return Py_NewRef(te->entry);
+}
+
+static PyObject *Table_get_cursor(Table *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromSsize_t(self->cursor);
+}
+
+static PyObject *Table_get_enabled(Table *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(self->enabled);
+}
+
+static PyObject *Table_get_picks(Table *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLongLong(self->picks);
+}
+
+static PyObject *Table_get_count(Table *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromSsize_t(self->count);
+}
+
+static int Table_traverse(Table *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    for (Py_ssize_t i = 0; i < self->count; i++) Py_VISIT(self->entries[i].entry);
+    return 0;
+}
+
+static int Table_clear(Table *self) {
+    tentry *old = self->entries;
+    Py_ssize_t count = self->count;
+    self->entries = NULL;
+    self->count = 0;
+    self->enabled = 0;
+    table_drop_entries(old, count);
+    return 0;
+}
+
+static void Table_dealloc(Table *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    Table_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef Table_methods[] = {
+    {"set", METH(Table_set), METH_VARARGS,
+     "set(entries, cursor): [(host, port, data), ...]; enabled while it has entries."},
+    {"disable", METH(Table_disable), METH_NOARGS, "disable() -> cursor: no more picks here."},
+    {"resume", METH(Table_resume), METH_O, "resume(cursor): enabled again, same entries."},
+    {"pick", METH(Table_pick), METH_NOARGS, "pick() -> (index, data) of the next entry, or None."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Table_getset[] = {
+    {"cursor", (getter)Table_get_cursor, NULL, "The index of the next pick.", NULL},
+    {"enabled", (getter)Table_get_enabled, NULL, "Whether accepts dial from this table.", NULL},
+    {"picks", (getter)Table_get_picks, NULL, "Picks made from this table.", NULL},
+    {"count", (getter)Table_get_count, NULL, "Its entries.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Table_slots[] = {
+    {Py_tp_doc, "A round-robin pool's endpoints and cursor, copied for accepts to dial from."},
+    {Py_tp_init, Table_init},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_dealloc, Table_dealloc},
+    {Py_tp_traverse, Table_traverse},
+    {Py_tp_clear, Table_clear},
+    {Py_tp_methods, Table_methods},
+    {Py_tp_getset, Table_getset},
+    {0, NULL},
+};
+
+static PyType_Spec Table_spec = {
+    .name = "kube_userspace_proxy.dataplane._native.Table",
+    .basicsize = sizeof(Table),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .slots = Table_slots,
+};
+
 static int native_exec(PyObject *m) {
     PyObject *type = PyType_FromModuleAndSpec(m, &Core_spec, NULL);
     if (!type) return -1;
@@ -1478,10 +1791,20 @@ static int native_exec(PyObject *m) {
         Py_DECREF(type);
         return -1;
     }
+    PyObject *table = PyType_FromModuleAndSpec(m, &Table_spec, NULL);
+    if (!table) return -1;
+    TableType = (PyTypeObject *)table;  /* the module holds it as long as a core can see it */
+    if (PyModule_AddObject(m, "Table", Py_NewRef(table)) < 0) {
+        Py_DECREF(table);
+        Py_DECREF(table);
+        return -1;
+    }
+    Py_DECREF(table);
     if (PyModule_AddIntConstant(m, "EV_ACCEPTED", EV_ACCEPTED) < 0 ||
         PyModule_AddIntConstant(m, "EV_DIALED", EV_DIALED) < 0 ||
         PyModule_AddIntConstant(m, "EV_CLOSED", EV_CLOSED) < 0 ||
         PyModule_AddIntConstant(m, "EV_ACCEPT_ERROR", EV_ACCEPT_ERROR) < 0 ||
+        PyModule_AddIntConstant(m, "EV_FAST", EV_FAST) < 0 ||
         PyModule_AddIntConstant(m, "DIAL_NO_DESCRIPTORS", DIAL_NO_DESCRIPTORS) < 0 ||
         PyModule_AddIntConstant(m, "END_NORMAL", END_NORMAL) < 0 ||
         PyModule_AddIntConstant(m, "END_RESET", END_RESET) < 0 ||
