@@ -29,9 +29,11 @@ from kube_userspace_proxy.schedulers import (
     ROUND_ROBIN,
     SCHEDULED_KINDS,
     EndpointTally,
+    Mirror,
     Scheduling,
     SharedTally,
     maglev_table,
+    mirrored,
 )
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "SCHEDULED_KINDS",
     "EndpointPool",
     "EndpointTally",
+    "Mirror",
     "Outliers",
     "SharedTally",
     "ejections",
@@ -177,8 +180,6 @@ class EndpointPool(Scheduling):
         "name",
         "penalty_seconds",
         "picked",
-        "proxy_protocol",
-        "source",
     )
 
     def __init__(
@@ -227,10 +228,7 @@ class EndpointPool(Scheduling):
         self.picked: EndpointTally = _NOBODY
         """The tally of the endpoint the last pick() returned (read right after picking)."""
         self._picks = 0
-        self.proxy_protocol = 0
-        """PROXY protocol version the data plane sends these endpoints first (0: none)."""
-        self.source: SourcePolicy | None = source
-        """Transparent dialing (--preserve-source-ip) and the node's local clients; None: off."""
+        self._source = source
         self._local: frozenset[Address] = NO_LOCAL
         self.take_slot(slot, slots)
 
@@ -339,6 +337,7 @@ class EndpointPool(Scheduling):
         addresses = tuple(dict.fromkeys(e.address for e in endpoints))
         self.take_addresses(addresses, affinity_timeout=affinity_timeout, local=local)
 
+    @mirrored
     def take_addresses(
         self,
         addresses: tuple[Address, ...],
@@ -399,6 +398,7 @@ class EndpointPool(Scheduling):
         for i, entry in zip(picks, entries, strict=True):
             ring[i & _RECENT_MASK] = entry
 
+    @mirrored
     def take_slot(self, slot: int, slots: int) -> None:
         """Make this pool worker `slot`'s copy of `slots`; it starts there if it has not picked.
 
@@ -411,6 +411,7 @@ class EndpointPool(Scheduling):
         if self._picks == self._fresh_at:
             self._cursor = self._start(len(self._addresses))
 
+    @mirrored
     def dial_failed(self, address: Address, outcome: int = DialOutcome.REFUSED) -> None:
         """Skip `address` for `penalty_seconds` (its dial just failed, as `outcome` says);
         with outlier ejection here, count it and maybe eject it for longer."""
@@ -428,6 +429,9 @@ class EndpointPool(Scheduling):
         `retry=True` says the previous dial failed: the client's pin is not honoured and the
         client is re-pinned to the endpoint chosen now.
         """
+        return (self._pick if self.mirror is None else self._pick_mirrored)(client_ip, retry)
+
+    def _pick(self, client_ip: str, retry: bool) -> Address | None:
         addresses = self._addresses
         count = len(addresses)
         if not count:

@@ -4,17 +4,29 @@
 `Scheduling` is `balancer.EndpointPool`'s base: it keeps what only `lc` and `sh` need and the
 runs of failed dials that outlier ejection counts, and picks for those two schedulers; round
 robin and affinity stay in the pool.
+
+A pool may also have a `Mirror`: the native data plane's copy of a pool in plain round robin,
+which picks for accepted connections without a Python call (`dataplane/native.py`). Every
+method that changes what a pick depends on is `mirrored`: it takes the cursor back first and
+shows the mirror the pool's state after, or keeps it disabled while the pool is not plain.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import zlib
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
-from kube_userspace_proxy.model import SCHEDULERS, Address, Balancing, ServicePortName
+from kube_userspace_proxy.model import (
+    SCHEDULERS,
+    Address,
+    Balancing,
+    ServicePortName,
+    SourcePolicy,
+)
 from kube_userspace_proxy.nodecounts import NodeCounts
 from kube_userspace_proxy.outliers import Outliers
 
@@ -141,9 +153,52 @@ def client_hash(client_ip: str) -> int:
 _NO_SUSPECTS: set[Any] = set()
 
 
+class Mirror(Protocol):
+    """A copy of a pool in plain round robin that picks on its own while it is enabled (the
+    native data plane's table). The pool owns the cursor whenever the mirror is disabled."""
+
+    @property
+    def enabled(self) -> bool:
+        """True while the mirror picks (and holds the cursor)."""
+        ...
+
+    def disable(self) -> int:
+        """Stop picking; the cursor, where the mirror's next pick would have been."""
+        ...
+
+    def show(
+        self, addresses: tuple[Address, ...], tallies: tuple[EndpointTally, ...], cursor: int
+    ) -> None:
+        """Pick from `addresses` (with their `tallies`) from `cursor` on, round robin."""
+        ...
+
+
+_S = TypeVar("_S", bound="Scheduling")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def mirrored(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
+    """`method` changes what a pick depends on: with a mirror, the pool takes the cursor back
+    before it and shows the mirror its state after (`Scheduling._mirror_sync`)."""
+
+    @functools.wraps(method)
+    def wrapper(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if self.mirror is None:
+            return method(self, *args, **kwargs)
+        self._mirror_take()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._mirror_sync()
+
+    return wrapper
+
+
 class Scheduling:
     """What an endpoint pool keeps for its scheduler and for outlier ejection, and the picks
-    of `lc` and `sh` (the pool calls `_least` and `_hashed`)."""
+    of `lc` and `sh` (the pool calls `_least` and `_hashed`); its mirror, and what decides
+    whether the mirror may pick (a PROXY header or a transparent source means it may not)."""
 
     __slots__ = (
         # The pool's, which the schedulers read and write too (set in its __init__).
@@ -154,11 +209,14 @@ class Scheduling:
         "_ejecting",
         "_maglev",
         "_penalties",
+        "_proxy_protocol",
         "_scheduler",
         "_shared_slots",
+        "_source",
         "_suspects",
         "_tallies",
         "_worker",
+        "mirror",
         "outliers",
     )
 
@@ -166,6 +224,7 @@ class Scheduling:
     _tallies: tuple[EndpointTally, ...]
     _penalties: dict[Address, float]
     _cursor: int
+    _timeout: float | None
     _clock: Callable[[], float]
 
     def __init__(self) -> None:
@@ -182,14 +241,89 @@ class Scheduling:
         """Passive ejection decided here (a single process), made at the first failed dial;
         None: none yet, off, or decided by the control process from the workers' reports."""
         self._ejecting: Balancing | None = None  # the settings of ejection here (None: off)
+        self.mirror: Mirror | None = None
+        """The native data plane's copy of this pool (`attach_mirror`); None: none."""
+        self._proxy_protocol = 0
+        self._source: SourcePolicy | None = None
 
     name: ServicePortName
+
+    @property
+    def proxy_protocol(self) -> int:
+        """PROXY protocol version the data plane sends these endpoints first (0: none)."""
+        return self._proxy_protocol
+
+    @proxy_protocol.setter
+    def proxy_protocol(self, version: int) -> None:
+        if version != self._proxy_protocol:
+            self._mirror_take()
+            self._proxy_protocol = version
+            self._mirror_sync()
+
+    @property
+    def source(self) -> SourcePolicy | None:
+        """Transparent dialing (--preserve-source-ip) and the node's local clients; None: off."""
+        return self._source
+
+    @source.setter
+    def source(self, policy: SourcePolicy | None) -> None:
+        if policy != self._source:
+            self._mirror_take()
+            self._source = policy
+            self._mirror_sync()
+
+    def attach_mirror(self, mirror: Mirror) -> None:
+        """Let `mirror` pick for this pool while it is plain round robin: no affinity, no
+        penalty, no PROXY header, no transparent source. The data plane reports each of its
+        picks (`record_pick`) and every dial's outcome, as for the pool's own picks."""
+        self._mirror_take()
+        self.mirror = mirror
+        self._mirror_sync()
+
+    def record_pick(self, address: Address) -> None:
+        """The mirror picked `address` (the native data plane reports each of its picks)."""
+        index = self._index(address)
+        if index is not None:
+            self._record(index, ROUND_ROBIN)
+
+    def _mirror_sync(self) -> None:
+        """Show the mirror this pool while it is plain round robin; else keep it disabled."""
+        mirror = self.mirror
+        if mirror is None:
+            return
+        if mirror.enabled:
+            self._cursor = mirror.disable()
+        if (
+            self._timeout is None
+            and not self._penalties
+            and not self._scheduler
+            and not self._proxy_protocol
+            and self._source is None
+            and self._addresses
+            and len(self._tallies) == len(self._addresses)
+        ):
+            mirror.show(self._addresses, self._tallies, self._cursor)
+
+    @mirrored
+    def _pick_mirrored(self, client_ip: str, retry: bool) -> Address | None:
+        """`_pick` of a pool with a mirror: the cursor is the pool's while it picks."""
+        return self._pick(client_ip, retry)
+
+    def _pick(self, client_ip: str, retry: bool) -> Address | None:
+        raise NotImplementedError
+
+    def _mirror_take(self) -> None:
+        """Before the pool reads or moves its cursor: take it back from an enabled mirror."""
+        mirror = self.mirror
+        if mirror is not None and mirror.enabled:
+            self._cursor = mirror.disable()
 
     @property
     def scheduled(self) -> tuple[int, tuple[int, ...]]:
         """How this pool picks: (scheduler code, lc's shared-count slot per endpoint)."""
         return (self._scheduler, self._shared_slots)
 
+    @mirrored
     def balance(self, balancing: Balancing) -> None:
         """Pick with `balancing.scheduler` and eject outliers here as `balancing` says (a
         single process: no control process decides for this pool)."""
@@ -215,6 +349,7 @@ class Scheduling:
         """The scheduler picking now (one of `model.SCHEDULERS`)."""
         return SCHEDULERS[self._scheduler]
 
+    @mirrored
     def set_scheduler(self, name: str) -> None:
         """Pick with scheduler `name` from now on (one of `model.SCHEDULERS`; else rr)."""
         code = scheduler_code(name)
@@ -222,6 +357,7 @@ class Scheduling:
             self._scheduler = code
             self._maglev = None
 
+    @mirrored
     def share_counts(self, counts: NodeCounts | None, worker: int, slots: tuple[int, ...]) -> None:
         """Count active connections in the node's shared `counts` (column `worker`), each
         endpoint in its slot of `slots` (parallel to the addresses; -1: not shared), so that
@@ -283,12 +419,14 @@ class Scheduling:
         if self._suspects and address in self._suspects:
             self._recovered(address)
 
+    @mirrored
     def _recovered(self, address: Address) -> None:
         """`address` connected after a failed dial (here, or another worker's)."""
         self._suspects.discard(address)
         if self.outliers is not None:
             self.outliers.succeeded(address)
 
+    @mirrored
     def penalize(self, address: Address, seconds: float) -> None:
         """Skip `address` for `seconds` from now (a failed dial's penalty, or an ejection)."""
         if seconds > 0 and self._index(address) is not None:

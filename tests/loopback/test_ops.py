@@ -346,9 +346,9 @@ async def test_fast_metrics_text_matches_the_registry(ops: Ops) -> None:
         }
 
     assert port_samples(served) == port_samples(registry_text)
-    # 12 TCP + 11 UDP series + proxy_ports + service_ports_over_descriptor_budget
+    # 13 TCP + 11 UDP series + proxy_ports + service_ports_over_descriptor_budget
     # + dataplane_info
-    assert len(port_samples(served)) == 26
+    assert len(port_samples(served)) == 27
 
 
 # -- binding -------------------------------------------------------------------------------

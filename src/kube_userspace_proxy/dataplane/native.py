@@ -13,8 +13,18 @@ back one batch of what needs a decision or a count:
   is reset once the ladder is done;
 - an ended connection: its bytes, counted on the port and the endpoint.
 
-So Python runs once per new connection, per dial and per closed connection, never per read or
-write; which endpoint, whether to retry and what to count stay here and in `balancer.py`.
+A pool in plain round robin (no affinity, penalty, PROXY header or transparent source) gets
+a `PoolTable`: its endpoints and cursor copied into the core (`balancer.Mirror`). While the
+table is enabled, the core picks and dials an accepted connection itself and reports it once,
+with the dial's outcome (EV_FAST): the pick is recorded in the pool and counted here as a
+Python-dialed one, and a failed dial goes on down the ladder here. Every change to what a pick
+depends on takes the cursor back first (`schedulers.mirrored`), and
+tests/loopback/test_native_table.py drives a mirrored and a plain pool through the same
+events and compares every pick.
+
+So Python runs once per new connection (with a table: once per dial's outcome), per failed
+dial and per closed connection, never per read or write; which endpoint, whether to retry and
+what to count stay here and in `balancer.py`.
 The Python data plane (`connection.py`) is the reference implementation; both pass one test
 suite (tests/loopback, parametrized over `dataplane`).
 """
@@ -61,7 +71,7 @@ def unavailable() -> str:
     return ""
 
 
-_ACCEPTED, _DIALED, _CLOSED, _ACCEPT_ERROR = 1, 2, 3, 4
+_ACCEPTED, _DIALED, _CLOSED, _ACCEPT_ERROR, _FAST = 1, 2, 3, 4, 5
 _NO_DESCRIPTORS = 4  # a dial outcome of the core: this process is out of descriptors
 _CONNECTED = int(DialOutcome.CONNECTED)
 _GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
@@ -75,7 +85,7 @@ class NativePlane:
     ended), which is what `TcpListener.active_connections` and `drain` read.
     """
 
-    __slots__ = ("_closing", "core", "idle", "listeners", "loop", "open", "owned")
+    __slots__ = ("_closing", "core", "idle", "ids", "listeners", "loop", "open", "owned", "tabled")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         if _native is None:
@@ -92,6 +102,10 @@ class NativePlane:
         self.listeners: set[TcpListener] = set()
         # drain(): per listener, resolved when its last connection ends.
         self.idle: dict[TcpListener, asyncio.Future[None]] = {}
+        # Per listener accepting here: its id in the core, and the table its accepts dial
+        # from (None: it never will, e.g. it logs each connection), once decided.
+        self.ids: dict[TcpListener, int] = {}
+        self.tabled: dict[TcpListener, PoolTable | None] = {}
         self._closing = False
         if selector is not None:
             selector.handler = self._handle  # called from inside the loop's wait
@@ -130,11 +144,42 @@ class NativePlane:
         lid: int = self.core.add_listener(
             sock.fileno(), listener, idle, intvl, user, listener.splice
         )
+        self.ids[listener] = lid
+        self.tabled.pop(listener, None)
         return lid
 
     def unwatch(self, lid: int) -> None:
         """No more accepts for this listener (its open connections go on)."""
         self.core.remove_listener(lid)
+        for listener, known in list(self.ids.items()):
+            if known == lid:
+                del self.ids[listener]
+                self.tabled.pop(listener, None)
+
+    def untable(self, listener: TcpListener) -> None:
+        """`listener` has another picker: its accepts stop dialing from the old one's table
+        (the next accept Python handles decides again)."""
+        if self.tabled.pop(listener, None) is not None:
+            self.core.use_table(self.ids[listener], None)
+
+    def _use_table(self, listener: TcpListener) -> None:
+        """After Python picked for `listener`: let its accepts dial from its pool's table."""
+        table: PoolTable | None = None
+        lid = self.ids.get(listener)
+        pool = listener.picker
+        settings = listener.settings
+        timeout_ms = max(1, round(settings.dial_timeouts[0] * 1000))
+        attach = getattr(pool, "attach_mirror", None)
+        if lid is not None and attach is not None and not settings.log_connections:
+            mirror = getattr(pool, "mirror", None)
+            if mirror is None:
+                table = PoolTable(timeout_ms)
+                attach(table)
+            elif isinstance(mirror, PoolTable) and mirror.timeout_ms == timeout_ms:
+                table = mirror
+        self.tabled[listener] = table
+        if table is not None and lid is not None:
+            self.core.use_table(lid, table.table)
 
     def active(self, listener: TcpListener) -> int:
         return self.open.get(listener, 0)
@@ -200,6 +245,8 @@ class NativePlane:
                     self._dialed(event[1], event[2], event[3], event[4])
                 elif kind == _CLOSED:
                     self._closed(event[1], event[2], event[3], event[4], event[6])
+                elif kind == _FAST:
+                    self._fast(event[1], event[2], event[3], event[4], event[5])
                 else:
                     self._accept_failed(event[1], event[2])
             except Exception:  # one connection's failure never stops the others' events
@@ -217,6 +264,32 @@ class NativePlane:
             self._give_up(listener, conn)
             return
         self._dial(listener, conn, ip, port, address, picker.picked, 0)
+        if listener not in self.tabled:
+            self._use_table(listener)
+
+    def _fast(
+        self, listener: TcpListener, conn: int, entry: tuple[int, Any], outcome: int, err: int
+    ) -> None:
+        """The core dialed an accepted connection from a table: count it as accepted and
+        picked here, then as a Python dial's outcome (a failure goes on down the ladder)."""
+        data = entry[1]
+        address, ep = data[1], data[2]
+        stats = listener.stats
+        stats.accepted += 1
+        stats.active += 1
+        stats.core_picks += 1
+        self.open[listener] = self.open.get(listener, 0) + 1
+        picker = listener.picker
+        record = getattr(picker, "record_pick", None)
+        if record is not None:
+            record(address)
+        if outcome == _CONNECTED:
+            picker.dial_succeeded(address)
+            ep.active += 1
+            ep.total += 1
+            return
+        ip, port = self.core.peer(conn)
+        self._dialed((listener, address, ep, ip, port, 0, 0), conn, outcome, err)
 
     def _dial(  # noqa: PLR0917 - one dial, field by field
         self,
@@ -330,6 +403,50 @@ class NativePlane:
         elif err not in _GONE:
             log.warning("%s: accept failed: %s", listener.name, exc)
         listener.pause_accepting()
+
+
+class PoolTable:
+    """A pool's copy in the core (`_native.Table`), its `balancer.Mirror`: the accepts of
+    the listeners that use it are dialed in C, round robin, while it is enabled.
+
+    Its entries carry what a Python dial's events carry, (None, address, tally, ...), so the
+    connection's later events are counted as any other's.
+    """
+
+    __slots__ = ("_addresses", "_tallies", "table", "timeout_ms")
+
+    def __init__(self, timeout_ms: int) -> None:
+        if _native is None:
+            raise RuntimeError(f"the native data plane is not available: {unavailable()}")
+        self.table: Any = _native.Table(timeout_ms)
+        self.timeout_ms = timeout_ms
+        self._addresses: tuple[tuple[str, int], ...] | None = None
+        self._tallies: tuple[Any, ...] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.table.enabled)
+
+    def disable(self) -> int:
+        return int(self.table.disable())
+
+    def show(
+        self, addresses: tuple[tuple[str, int], ...], tallies: tuple[Any, ...], cursor: int
+    ) -> None:
+        if addresses is self._addresses and tallies is self._tallies and cursor < len(addresses):
+            self.table.resume(cursor)
+            return
+        entries = [
+            (a[0], a[1], (None, a, t, None, None, 0, 0))
+            for a, t in zip(addresses, tallies, strict=True)
+        ]
+        self._addresses = self._tallies = None
+        try:
+            self.table.set(entries, cursor)
+        except (ValueError, TypeError, OverflowError) as exc:  # an address C cannot dial
+            log.debug("a pool stays in Python: %s", exc)
+            return
+        self._addresses, self._tallies = addresses, tallies
 
 
 def _proxy_header(version: int, fd: int, ip: str, port: int) -> bytes:

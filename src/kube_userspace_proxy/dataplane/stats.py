@@ -110,6 +110,9 @@ class ConnStats:
     """--preserve-source-ip: dials from the client's address because it is a pod of this node."""
     source_local_endpoint: int = 0
     """--preserve-source-ip: dials from the client's address because the endpoint is local."""
+    core_picks: int = 0
+    """TCP connections the native core picked and dialed from the pool's round-robin table
+    (no Python call before the dial); the others of `accepted` were picked in Python."""
 
     @property
     def udp_dropped(self) -> int:

@@ -277,6 +277,8 @@ class TcpListener:
 
     @picker.setter
     def picker(self, picker: Picker) -> None:
+        if picker is not self._picker and self._plane is not None:
+            self._plane.untable(self)
         self._picker = picker
         if self._shared is not None:
             self._shared.picker = picker

@@ -50,6 +50,7 @@ FIELDS = (
     "source_node",
     "source_client_pod",
     "source_local_endpoint",
+    "core_picks",
 )
 """The ConnStats fields metrics reads, in the order of a captured row."""
 
@@ -118,6 +119,15 @@ PORT_FAMILIES: tuple[PortFamily, ...] = (
         None,
         "",
         (("", "dial_failures"),),
+    ),
+    PortFamily(
+        PREFIX + "core_picks_total",
+        "counter",
+        "TCP connections the native data plane's core picked (round robin, from the pool's"
+        " table) and dialed without a Python call; the others were picked in Python.",
+        Protocol.TCP,
+        "",
+        (("", "core_picks"),),
     ),
     PortFamily(
         PREFIX + "spliced_total",
