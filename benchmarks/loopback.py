@@ -5,8 +5,9 @@ clients), a backend process, and a proxy process per mode (native: the native da
 its core nested in the event loop of `--loop`; native-loop: the native data plane on the loop
 that waits in its core, as `--event-loop auto` runs it; splice: the Python data plane; copy:
 the Python data plane without splice; haproxy: HAProxy `nbthread 1`, the reference; with
-`--baseline SRC` the Python modes again from another checkout's `src`, e.g. today's main, so
-before and after are measured side by side). Reports:
+`--baseline SRC` every mode again from another checkout's `src`, e.g. today's main, so
+before and after are measured side by side; the native ones only if that checkout has the
+extension built). Reports:
 
   (a) bulk: `--bytes` (default 1 GiB; 0 skips it) sent client -> backend, direct and through
       the proxy; throughput, ratio to direct, and the proxy's CPU seconds per GiB (from /proc).
@@ -377,6 +378,14 @@ def cps(
 # --- the run
 
 
+def _has_native(src: str | None) -> bool:
+    """Whether the checkout `src` has the native data plane built (its modes can be compared)."""
+    if src is None:
+        return False
+    folder = os.path.join(src, "kube_userspace_proxy", "dataplane")
+    return os.path.isdir(folder) and any(n.startswith("_native.") for n in os.listdir(folder))
+
+
 def start(target: Any, *args: Any) -> tuple[mp.process.BaseProcess, Connection, Any]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -482,7 +491,7 @@ def main() -> int:
                 paths["haproxy"], pids["haproxy"] = ports, haproxy.pid
                 continue
             trees = [("proxy", None)] + ([("base", args.baseline)] if args.baseline else [])
-            if mode in {"native", "native-loop"}:
+            if mode in {"native", "native-loop"} and not _has_native(args.baseline):
                 trees = trees[:1]  # a baseline from before the native data plane has none
             for label, src in trees:
                 keepalive = args.keepalive if src is None else None  # main has no such setting
