@@ -148,13 +148,11 @@ class NativePlane:
         self.tabled.pop(listener, None)
         return lid
 
-    def unwatch(self, lid: int) -> None:
-        """No more accepts for this listener (its open connections go on)."""
+    def unwatch(self, listener: TcpListener, lid: int) -> None:
+        """No more accepts for `listener` (id `lid`); its open connections go on."""
         self.core.remove_listener(lid)
-        for listener, known in list(self.ids.items()):
-            if known == lid:
-                del self.ids[listener]
-                self.tabled.pop(listener, None)
+        self.ids.pop(listener, None)
+        self.tabled.pop(listener, None)
 
     def untable(self, listener: TcpListener) -> None:
         """`listener` has another picker: its accepts stop dialing from the old one's table

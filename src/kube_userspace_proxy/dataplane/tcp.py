@@ -375,7 +375,7 @@ class TcpListener:
     def _unwatch(self, sock: socket.socket) -> None:
         if self._plane is not None:
             if self._lid >= 0:
-                self._plane.unwatch(self._lid)
+                self._plane.unwatch(self, self._lid)
                 self._lid = -1
         else:
             self.loop.remove_reader(sock.fileno())
